@@ -1,0 +1,51 @@
+"""Where the kernels run: a CUDA GPU, or Triton's CPU interpreter.
+
+`import mla` imports this module first. With no CUDA GPU, and unless the user set
+TRITON_INTERPRET themselves, it turns Triton's interpreter on *before* any kernel is
+defined (``@triton.jit`` decides at decoration time whether it builds an interpreted
+function) and says so once.
+
+Two consequences of the interpreter, both from SPEC "The kernels":
+- it multiplies bf16 *bit patterns* in ``tl.dot`` (triton-lang/triton#11584), so the
+  kernels use float32 dot operands there (:data:`DOT_DTYPE_NAME`);
+- it cannot benchmark several autotune configs ("0 active drivers"), so the kernels
+  use a single config there (:func:`single_config`).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+#: True when a CUDA device is visible to torch.
+HAS_CUDA: bool = torch.cuda.is_available()
+
+_user_set = "TRITON_INTERPRET" in os.environ
+if not HAS_CUDA and not _user_set:
+    os.environ["TRITON_INTERPRET"] = "1"
+    print("mla: no CUDA GPU found; running the Triton kernels on the CPU interpreter "
+          "(TRITON_INTERPRET=1). Expect it to be slow; use small shapes.", file=sys.stderr)
+
+#: True when Triton kernels run in the interpreter (CPU).
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+
+#: The dtype, as a ``triton.language`` attribute name, of ``tl.dot`` operands.
+DOT_DTYPE_NAME: str = "float32" if INTERPRET else "bfloat16"
+
+
+def dot_dtype():
+    """The ``tl`` dtype the kernels cast ``tl.dot`` operands to (a constexpr argument)."""
+    import triton.language as tl
+
+    return getattr(tl, DOT_DTYPE_NAME)
+
+
+def single_config() -> bool:
+    """Whether kernels must use one config (the interpreter cannot autotune)."""
+    return INTERPRET
+
+
+def kernel_device() -> torch.device:
+    """The device on which kernel inputs live: cuda on a GPU box, cpu under the interpreter."""
+    return torch.device("cuda") if HAS_CUDA else torch.device("cpu")

@@ -1,0 +1,205 @@
+"""Benchmark protocol of the SPEC: ceilings, shapes, CUDA-graph and eager timing, JSON records.
+
+``python -m mla.bench`` runs the SPEC's shapes for each impl on the GPU it finds and writes
+``results/<gpu-slug>/<name>.json``. It refuses to run under the CPU interpreter: an interpreter
+timing means nothing.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import pathlib
+import statistics
+import subprocess
+from dataclasses import dataclass
+
+import torch
+
+from .layout import DATA_BYTES, D_QK, NOPE_BYTES, TOKEN_BYTES, page_stride
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark case of the SPEC."""
+
+    name: str
+    b: int
+    s_q: int
+    h_q: int
+    topk: int
+    page: int
+    extra_topk: int = 0
+    extra_page: int = 64
+
+    @property
+    def topk_total(self) -> int:
+        return self.topk + self.extra_topk
+
+
+def spec_shapes() -> list[Shape]:
+    """The SPEC's production cases (FlashMLA's), in a fixed order."""
+    out = [Shape("DSA", b, 1, 64, 2048, 64) for b in (1, 8, 32, 64, 128)]
+    out.append(Shape("DSA s_q 2", 64, 2, 64, 2048, 64))
+    out += [Shape("V4-CSA", b, 1, 64, 128, 256, 512, 64) for b in (1, 32, 128)]
+    out += [Shape("V4-TP8", b, 1, 8, 128, 256, 512, 64) for b in (1, 32, 128)]
+    return out
+
+
+#: FlashMLA sm90 CUDA-graph time per call on one H200 (SPEC, "Where the field stands"), us.
+#: At V4-TP8 FlashMLA needs 64 heads, so its time is the padded V4-CSA time.
+FLASHMLA_H200_US = {("DSA", 1): 18.5, ("DSA", 8): 22.9, ("DSA", 32): 51.8, ("DSA", 64): 83.2,
+                    ("DSA", 128): 127.5, ("DSA s_q 2", 64): 126.8, ("V4-CSA", 1): 13.6,
+                    ("V4-CSA", 32): 25.5, ("V4-CSA", 128): 47.3, ("V4-TP8", 1): 13.6,
+                    ("V4-TP8", 32): 25.5, ("V4-TP8", 128): 47.3}
+
+
+def traffic_bytes(s: Shape) -> int:
+    """Bytes that must move: gathered tokens * 584 + indices + q + out + lse."""
+    n_q = s.b * s.s_q
+    return (n_q * s.topk_total * (TOKEN_BYTES + 4) + n_q * s.h_q * D_QK * 2 * 2 + n_q * s.h_q * 4)
+
+
+def flops(s: Shape) -> int:
+    """2 * b * s_q * h_q * topk_total * (512 for Q.K + 512 for P.V)."""
+    return 2 * s.b * s.s_q * s.h_q * s.topk_total * 2 * D_QK
+
+
+def random_cache(num_blocks: int, page: int, device, generator=None) -> torch.Tensor:
+    """A MODEL1 cache of random, finite, realistic bytes, written directly (fast for GB pools):
+    FP8 bytes of either sign below 0x7F (no NaN), UE8M0 scales 2**-10..2**-4, bf16 rope ~N(0,1)."""
+    from .layout import empty_cache
+
+    cache = empty_cache(num_blocks, page, device=device, fill=0)
+    flat = torch.as_strided(cache.view(torch.uint8), (num_blocks, page_stride(page)), (cache.stride(0), 1))
+    data = flat[:, : page * DATA_BYTES].view(num_blocks, page, DATA_BYTES)
+    nope = torch.randint(0, 0x7F, (num_blocks, page, NOPE_BYTES), dtype=torch.uint8, device=device, generator=generator)
+    sign = torch.randint(0, 2, (num_blocks, page, NOPE_BYTES), dtype=torch.uint8, device=device, generator=generator)
+    data[..., :NOPE_BYTES] = nope | (sign << 7)
+    rope = torch.randn(num_blocks, page, 64, device=device, generator=generator).bfloat16()
+    data[..., NOPE_BYTES:] = rope.view(torch.uint8)
+    sc = flat[:, page * DATA_BYTES: page * TOKEN_BYTES].view(num_blocks, page, 8)
+    sc[..., :7] = torch.randint(117, 124, (num_blocks, page, 7), dtype=torch.uint8, device=device, generator=generator)
+    return cache
+
+
+def random_indices(b, s_q, topk, n_tokens, device, generator=None) -> torch.Tensor:
+    """Random token indices in [0, n_tokens). Drawn with replacement: over a pool of millions of
+    tokens a query repeats a token with probability about topk/n_tokens (well under 0.1%)."""
+    return torch.randint(0, n_tokens, (b, s_q, topk), dtype=torch.int32, device=device, generator=generator)
+
+
+class Case:
+    """Inputs of one shape over pools far larger than L2, with several index sets."""
+
+    def __init__(self, s: Shape, device, pool_bytes: float = 2e9, n_sets: int = 16, seed: int = 0):
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.shape = s
+        nb = max(1, int(pool_bytes // page_stride(s.page)))
+        self.cache = random_cache(nb, s.page, device, g)
+        self.q = torch.randn(s.b, s.s_q, s.h_q, D_QK, device=device, generator=g).bfloat16()
+        self.sink = torch.randn(s.h_q, device=device, generator=g)
+        n = nb * s.page
+        self.index_sets = [random_indices(s.b, s.s_q, s.topk, n, device, g) for _ in range(n_sets)]
+        self.extra = None
+        self.extra_sets = [None] * n_sets
+        if s.extra_topk:
+            enb = max(1, int(pool_bytes // 2 // page_stride(s.extra_page)))
+            self.extra = random_cache(enb, s.extra_page, device, g)
+            self.extra_sets = [random_indices(s.b, s.s_q, s.extra_topk, enb * s.extra_page, device, g)
+                               for _ in range(n_sets)]
+
+    def kwargs(self, i: int = 0) -> dict:
+        kw = dict(attn_sink=self.sink)
+        if self.extra is not None:
+            kw.update(extra_k_cache=self.extra, extra_indices=self.extra_sets[i])
+        return kw
+
+    def call(self, fn, i: int = 0):
+        return fn(self.q, self.cache, self.index_sets[i], **self.kwargs(i))
+
+
+def time_graph(case: Case, fn, replays: int = 20) -> float:
+    """Median us per call of a CUDA graph holding one call per index set, replayed."""
+    n = len(case.index_sets)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(n):          # warm-up: compile and allocate outside the capture
+            case.call(fn, i)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(n):
+            case.call(fn, i)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / n)
+    del g
+    return statistics.median(times)
+
+
+def time_eager(case: Case, fn) -> float:
+    """triton.testing.do_bench median, us, one index set after another."""
+    import triton
+
+    it = iter(range(10 ** 9))
+    return triton.testing.do_bench(lambda: case.call(fn, next(it) % len(case.index_sets)),
+                                   warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def ceilings(device=None) -> dict:
+    """Measured on this card: device-to-device copy (bytes read + written) and bf16 matmul."""
+    import triton
+
+    x = torch.empty(int(2 ** 30), dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    t = triton.testing.do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median") * 1e-3
+    copy = 2 * x.numel() / t / 1e9
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    t = triton.testing.do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median") * 1e-3
+    return {"copy_gbps": round(copy, 1), "matmul_tflops": round(2 * 8192 ** 3 / t / 1e12, 1)}
+
+
+def gpu_slug(name: str) -> str:
+    n = name.lower().replace("nvidia", "").strip()
+    return "".join(ch if ch.isalnum() else "-" for ch in n).strip("-").split("-")[0] or "gpu"
+
+
+def provenance(ceil: dict) -> dict:
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    try:
+        drv = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+    except Exception:  # noqa: BLE001
+        drv = "unknown"
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=pathlib.Path(__file__).parent, timeout=30).stdout.strip() or "unknown"
+    except Exception:  # noqa: BLE001
+        commit = "unknown"
+    commit = os.environ.get("MLA_COMMIT", commit)
+    return {"gpu": props.name, "sm_count": props.multi_processor_count, "driver": drv,
+            "torch": torch.__version__, "triton": triton.__version__, "commit": commit,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+            "ceilings": ceil}
+
+
+def record(s: Shape, impl: str, us_graph: float, us_eager: float | None, ceil: dict) -> dict:
+    t = us_graph * 1e-6
+    floor = max(traffic_bytes(s) / (ceil["copy_gbps"] * 1e9), flops(s) / (ceil["matmul_tflops"] * 1e12))
+    return {"shape": s.name, "b": s.b, "s_q": s.s_q, "h_q": s.h_q, "topk": s.topk, "extra_topk": s.extra_topk,
+            "page": s.page, "extra_page": s.extra_page if s.extra_topk else None, "impl": impl,
+            "us_graph": round(us_graph, 2), "us_eager": None if us_eager is None else round(us_eager, 2),
+            "tflops": round(flops(s) / t / 1e12, 2), "gbps": round(traffic_bytes(s) / t / 1e9, 1),
+            "roofline": round(floor / t, 4)}

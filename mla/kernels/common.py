@@ -1,0 +1,96 @@
+"""Triton building blocks shared by the kernels: FP8 decoding and the gather of one token tile.
+
+A token tile is held as ``[BLOCK_N, 8, 64]``: tile ``t < 7`` of the last two dims is nope tile
+``t`` (FP8 times its UE8M0 scale) and tile 7 is the 64 bf16 rope values. Read row-major, the
+last two dims are exactly the 512 columns of the latent (448 nope then 64 rope), so the same
+tensor serves as K for Q.K^T and as V for P.V.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import _runtime
+from ..layout import DATA_BYTES, NOPE_BYTES, SCALE_BYTES
+
+#: Byte constants as Triton constexprs.
+_DATA = tl.constexpr(DATA_BYTES)     # 576
+_NOPE = tl.constexpr(NOPE_BYTES)     # 448
+_SROW = tl.constexpr(SCALE_BYTES)    # 8
+
+
+@triton.jit
+def e4m3_to_f32(bits):
+    """FP8 e4m3fn byte (uint8) -> float32 with integer operations only (any architecture,
+    including sm_80, which has no fp8e4nv type). Exact, NaN (S.1111.111) included.
+
+    The 7 magnitude bits shifted left by 7 form an fp16 whose 5-bit exponent field holds the
+    4-bit e4m3 exponent: its value is the e4m3 value times 2**-8 (bias 15 versus 7), and fp16
+    subnormals line up with e4m3 subnormals. fp16 -> fp32 is exact."""
+    b = bits.to(tl.uint16)
+    h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    f = h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), f)
+
+
+@triton.jit
+def ue8m0_to_f32(bits):
+    """UE8M0 byte (uint8) -> float32 2**(byte-127), built as the float's exponent field."""
+    return (bits.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def token_rows(idx_row_ptr, offs, n, n_tokens, P, page_stride):
+    """Load indices at ``offs`` (positions < n), and return (valid mask, byte offset of each
+    token's data row, byte offset of its scale row). Invalid tokens point at byte 0 and are
+    never read (the loads are masked with ``valid``)."""
+    inb = offs < n
+    idx = tl.load(idx_row_ptr + offs, mask=inb, other=-1)
+    valid = inb & (idx >= 0) & (idx < n_tokens)
+    idx64 = tl.where(valid, idx, 0).to(tl.int64)
+    blk = idx64 // P
+    off = idx64 - blk * P
+    page = blk * page_stride
+    return valid, page + off * _DATA, page + P * _DATA + off * _SROW
+
+
+@triton.jit
+def load_token_tile(cache_ptr, row, srow, valid, FP8_NATIVE: tl.constexpr, OUT: tl.constexpr,
+                    T0: tl.constexpr = 0, NT: tl.constexpr = 8):
+    """Gather and dequantize tiles ``T0 .. T0+NT-1`` of tokens into ``[BLOCK_N, NT, 64]`` of
+    dtype ``OUT`` (tiles 0..6 are nope, tile 7 is rope; 8 tiles are the full 512 columns).
+
+    ``cache_ptr`` is the cache as uint8. Masked (invalid) tokens come out as exact zeros,
+    whatever their bytes hold (0 * NaN is NaN, so a mask on the probabilities is not enough)."""
+    t = T0 + tl.arange(0, NT)
+    j = tl.arange(0, 64)
+    is_nope = t < 7
+    m3 = valid[:, None, None] & is_nope[None, :, None]
+    nb = tl.load(cache_ptr + row[:, None, None] + (t * 64)[None, :, None] + j[None, None, :],
+                 mask=m3, other=0)
+    sb = tl.load(cache_ptr + srow[:, None] + t[None, :], mask=valid[:, None] & is_nope[None, :], other=0)
+    scale = ue8m0_to_f32(sb)
+    if FP8_NATIVE:
+        v = nb.to(tl.float8e4nv, bitcast=True).to(OUT) * scale[:, :, None].to(OUT)
+    else:
+        v = (e4m3_to_f32(nb) * scale[:, :, None]).to(OUT)
+    if T0 + NT > 7:
+        rope_ptr = (cache_ptr + row + _NOPE).to(tl.pointer_type(tl.bfloat16))
+        rope = tl.load(rope_ptr[:, None, None] + j[None, None, :], mask=valid[:, None, None], other=0.0)
+        v = tl.where(is_nope[None, :, None], v, rope.to(OUT))
+    return v
+
+
+def fp8_native(device: torch.device) -> bool:
+    """Whether Triton can decode e4m3 natively on this device (sm_89 and newer, not the
+    interpreter). sm_80 has no fp8e4nv: the integer decode is used there."""
+    if _runtime.INTERPRET or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def cache_args(cache):
+    """(uint8 view, page stride in bytes, P, number of tokens) of a cache tensor."""
+    nb, p = cache.shape[0], cache.shape[1]
+    return cache.view(torch.uint8), cache.stride(0), p, nb * p

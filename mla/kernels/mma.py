@@ -1,0 +1,254 @@
+"""The tensor-core (``tl.dot``) rewrite: one program per (query token, block of BLOCK_H heads, split).
+
+Each program gathers and dequantizes a tile of BLOCK_N tokens ONCE for all BLOCK_H heads of its
+block, computes S = Q.K^T and O += P.V with ``tl.dot`` and an online softmax in the exp2
+domain. The 512 columns are held as two halves of 256 (tiles 0-3 and 4-7 of a token), which
+halves the live accumulator per ``tl.dot`` and keeps register pressure down. The token list of a
+query is the main cache's selected tokens followed by the extra cache's; split ``i`` takes a
+contiguous range of token tiles of that list. With one split the kernel writes the final output
+(sink applied); with several it writes partial (o, lse in log2 units) that
+:func:`combine_kernel` merges, applying the sink.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import _runtime
+from ..layout import D_QK
+from .common import cache_args, fp8_native, load_token_tile, token_rows
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _mma_cache_pass(m_i, l_i, acc0, acc1, q0, q1, cache_ptr, page_stride, P, n_tokens, idx_row_ptr, n,
+                    tile_lo, tile_hi, sm_scale_log2,
+                    BLOCK_N: tl.constexpr, FP8_NATIVE: tl.constexpr, DOT: tl.constexpr):
+    """Fold token tiles ``[tile_lo, tile_hi)`` of one cache (first ``n`` positions valid) into
+    the running state of BLOCK_H heads."""
+    for ti in range(tile_lo, tile_hi):
+        offs = ti * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid, row, srow = token_rows(idx_row_ptr, offs, n, n_tokens, P, page_stride)
+        k0 = tl.reshape(load_token_tile(cache_ptr, row, srow, valid, FP8_NATIVE, DOT, 0, 4), [BLOCK_N, 256])
+        k1 = tl.reshape(load_token_tile(cache_ptr, row, srow, valid, FP8_NATIVE, DOT, 4, 4), [BLOCK_N, 256])
+        s = tl.dot(q0, tl.trans(k0))
+        s = tl.dot(q1, tl.trans(k1), s)
+        s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))        # [BLOCK_H, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pd = p.to(DOT)
+        acc0 = tl.dot(pd, k0, acc0 * alpha[:, None])
+        acc1 = tl.dot(pd, k1, acc1 * alpha[:, None])
+        m_i = m_new
+    return m_i, l_i, acc0, acc1
+
+
+@triton.jit
+def mma_decode_kernel(
+    q_ptr, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr,
+    kc_ptr, kc_stride, kc_P, kc_n, idx_ptr, topk, len_ptr,
+    ec_ptr, ec_stride, ec_P, ec_n, eidx_ptr, etopk, elen_ptr,
+    s_q, h_q, sm_scale_log2, num_splits,
+    HAS_SINK: tl.constexpr, HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_ELEN: tl.constexpr,
+    PARTIAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8_NATIVE: tl.constexpr, DOT: tl.constexpr,
+):
+    hb = tl.program_id(0)
+    split = tl.program_id(1)
+    tok = tl.program_id(2)            # b * s_q + s
+    b = tok // s_q
+    s_idx = tok - b * s_q
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < h_q
+    c = tl.arange(0, 256)
+    qrow = q_ptr + (tok.to(tl.int64) * h_q + heads) * 512
+    q0 = tl.load(qrow[:, None] + c[None, :], mask=hmask[:, None], other=0.0).to(DOT)
+    q1 = tl.load(qrow[:, None] + 256 + c[None, :], mask=hmask[:, None], other=0.0).to(DOT)
+
+    n1 = topk
+    if HAS_LEN:
+        n1 = tl.minimum(n1, tl.maximum(tl.load(len_ptr + b), 0))
+    tiles1 = tl.cdiv(n1, BLOCK_N)
+    n2 = 0
+    if HAS_EXTRA:
+        n2 = etopk
+        if HAS_ELEN:
+            n2 = tl.minimum(n2, tl.maximum(tl.load(elen_ptr + b), 0))
+    tiles2 = tl.cdiv(n2, BLOCK_N)
+    per = tl.cdiv(tiles1 + tiles2, num_splits)
+    lo = split * per
+    hi = tl.minimum(lo + per, tiles1 + tiles2)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, 256], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, 256], tl.float32)
+    m_i, l_i, acc0, acc1 = _mma_cache_pass(
+        m_i, l_i, acc0, acc1, q0, q1, kc_ptr, kc_stride, kc_P, kc_n, idx_ptr + tok.to(tl.int64) * topk, n1,
+        lo, tl.minimum(hi, tiles1), sm_scale_log2, BLOCK_N, FP8_NATIVE, DOT)
+    if HAS_EXTRA:
+        m_i, l_i, acc0, acc1 = _mma_cache_pass(
+            m_i, l_i, acc0, acc1, q0, q1, ec_ptr, ec_stride, ec_P, ec_n, eidx_ptr + tok.to(tl.int64) * etopk, n2,
+            tl.maximum(lo, tiles1) - tiles1, hi - tiles1, sm_scale_log2, BLOCK_N, FP8_NATIVE, DOT)
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    lse2 = m_i + tl.log2(l_safe)                                             # log2 units
+    o0 = acc0 / l_safe[:, None]
+    o1 = acc1 / l_safe[:, None]
+    if PARTIAL:
+        prow = (tok.to(tl.int64) * num_splits + split) * h_q + heads
+        tl.store(plse_ptr + prow, tl.where(empty, float("-inf"), lse2), mask=hmask)
+        tl.store(po_ptr + prow[:, None] * 512 + c[None, :], o0, mask=hmask[:, None])
+        tl.store(po_ptr + prow[:, None] * 512 + 256 + c[None, :], o1, mask=hmask[:, None])
+    else:
+        lse = lse2 * 0.6931471805599453
+        if HAS_SINK:
+            sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
+            f = 1.0 / (1.0 + tl.exp(sink - lse))
+            o0 = o0 * f[:, None]
+            o1 = o1 * f[:, None]
+        o0 = tl.where(empty[:, None], 0.0, o0)
+        o1 = tl.where(empty[:, None], 0.0, o1)
+        orow = out_ptr + (tok.to(tl.int64) * h_q + heads) * 512
+        tl.store(orow[:, None] + c[None, :], o0.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+        tl.store(orow[:, None] + 256 + c[None, :], o1.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+        tl.store(lse_ptr + (b * h_q + heads) * s_q + s_idx, tl.where(empty, float("inf"), lse), mask=hmask)
+
+
+@triton.jit
+def combine_kernel(po_ptr, plse_ptr, out_ptr, lse_ptr, sink_ptr, s_q, h_q, num_splits,
+                   HAS_SINK: tl.constexpr, BLOCK_HC: tl.constexpr):
+    """Merge the split partials of BLOCK_HC heads of one query token; apply the sink."""
+    tok = tl.program_id(0)
+    hb = tl.program_id(1)
+    b = tok // s_q
+    s_idx = tok - b * s_q
+    heads = hb * BLOCK_HC + tl.arange(0, BLOCK_HC)
+    hmask = heads < h_q
+    c = tl.arange(0, 512)
+    base = tok.to(tl.int64) * num_splits * h_q
+    m = tl.full([BLOCK_HC], float("-inf"), tl.float32)
+    for sp in range(0, num_splits):
+        m = tl.maximum(m, tl.load(plse_ptr + base + sp * h_q + heads, mask=hmask, other=float("-inf")))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    wsum = tl.zeros([BLOCK_HC], tl.float32)
+    acc = tl.zeros([BLOCK_HC, 512], tl.float32)
+    for sp in range(0, num_splits):
+        row = base + sp * h_q + heads
+        w = tl.exp2(tl.load(plse_ptr + row, mask=hmask, other=float("-inf")) - m_safe)
+        o = tl.load(po_ptr + row[:, None] * 512 + c[None, :], mask=hmask[:, None] & (w[:, None] > 0), other=0.0)
+        wsum += w
+        acc += w[:, None] * o
+    empty = wsum == 0.0
+    wsafe = tl.where(empty, 1.0, wsum)
+    lse = (m_safe + tl.log2(wsafe)) * 0.6931471805599453
+    out = acc / wsafe[:, None]
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
+        out = out * (1.0 / (1.0 + tl.exp(sink - lse)))[:, None]
+    out = tl.where(empty[:, None], 0.0, out)
+    tl.store(out_ptr + (tok.to(tl.int64) * h_q + heads)[:, None] * 512 + c[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+    tl.store(lse_ptr + (b * h_q + heads) * s_q + s_idx, tl.where(empty, float("inf"), lse), mask=hmask)
+
+
+@dataclass(frozen=True)
+class MMAConfig:
+    """Launch parameters of :func:`mma_decode_kernel`."""
+
+    block_h: int = 64
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 1
+    waves: float = 1.0        # split heuristic: aim at waves * SM-count programs
+    fp8: str = "auto"         # "auto" | "native" (fp8e4nv) | "int" (integer decode)
+
+    def for_heads(self, h_q: int) -> "MMAConfig":
+        """BLOCK_H never exceeds h_q rounded up to a power of two, and never drops below 16
+        (the smallest M of a tensor-core dot): heads are padded inside the kernel."""
+        bh = max(16, min(self.block_h, triton.next_power_of_2(h_q)))
+        return MMAConfig(bh, self.block_n, self.num_warps, self.num_stages, self.waves, self.fp8)
+
+
+INTERPRETER_CONFIG = MMAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+
+
+def default_config(h_q: int, device: torch.device) -> MMAConfig:
+    if _runtime.INTERPRET or device.type != "cuda":
+        return INTERPRETER_CONFIG.for_heads(h_q)
+    return MMAConfig().for_heads(h_q)
+
+
+_SM_COUNT: dict = {}
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SM_COUNT:
+        _SM_COUNT[key] = torch.cuda.get_device_properties(key).multi_processor_count
+    return _SM_COUNT[key]
+
+
+def num_splits(b: int, s_q: int, h_q: int, topk_total: int, cfg: MMAConfig, sms: int) -> int:
+    """Split-K count from the shapes alone (no host sync): enough programs to fill
+    ``cfg.waves`` waves of the SMs, never more splits than token tiles."""
+    progs = b * s_q * triton.cdiv(h_q, cfg.block_h)
+    tiles = triton.cdiv(topk_total, cfg.block_n)
+    want = triton.cdiv(max(1, int(cfg.waves * sms)), progs)
+    return max(1, min(want, tiles))
+
+
+def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, topk_length=None,
+                      extra_k_cache=None, extra_indices=None, extra_topk_length=None,
+                      config: MMAConfig | None = None, splits: int | None = None):
+    """Launch the MMA kernel (and the combine when split). Arguments as :func:`mla.sparse_decode`."""
+    b, s_q, h_q, _ = q.shape
+    dev = q.device
+    cfg = (config or default_config(h_q, dev)).for_heads(h_q)
+    scale = D_QK ** -0.5 if softmax_scale is None else float(softmax_scale)
+    q = q.contiguous()
+    indices = indices.contiguous()
+    out = torch.empty(b, s_q, h_q, D_QK, dtype=torch.bfloat16, device=dev)
+    lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=dev)
+    kc, kst, kp, kn = cache_args(k_cache)
+    topk = indices.shape[-1]
+    has_extra = extra_k_cache is not None
+    if has_extra:
+        ec, est, ep, en = cache_args(extra_k_cache)
+        eidx, etopk = extra_indices.contiguous(), extra_indices.shape[-1]
+    else:
+        ec, est, ep, en, eidx, etopk = kc, kst, kp, kn, indices, 0
+    ns = splits if splits is not None else num_splits(b, s_q, h_q, topk + etopk, cfg, sm_count(dev))
+    n_hb = triton.cdiv(h_q, cfg.block_h)
+    if ns > 1:
+        po = torch.empty(b * s_q, ns, h_q, D_QK, dtype=torch.float32, device=dev)
+        plse = torch.empty(b * s_q, ns, h_q, dtype=torch.float32, device=dev)
+    else:
+        po = plse = lse
+    sink = attn_sink if attn_sink is not None else lse
+    mma_decode_kernel[(n_hb, ns, b * s_q)](
+        q, out, lse, sink, po, plse,
+        kc, kst, kp, kn, indices, topk, topk_length if topk_length is not None else indices,
+        ec, est, ep, en, eidx, etopk, extra_topk_length if extra_topk_length is not None else indices,
+        s_q, h_q, scale * LOG2E, ns,
+        HAS_SINK=attn_sink is not None, HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra,
+        HAS_ELEN=extra_topk_length is not None, PARTIAL=ns > 1,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, FP8_NATIVE=fp8_native(dev) if cfg.fp8 == "auto" else cfg.fp8 == "native", DOT=_runtime.dot_dtype(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if ns > 1:
+        bhc = 4
+        combine_kernel[(b * s_q, triton.cdiv(h_q, bhc))](
+            po, plse, out, lse, sink, s_q, h_q, ns, HAS_SINK=attn_sink is not None, BLOCK_HC=bhc,
+            num_warps=4)
+    return out, lse

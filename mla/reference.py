@@ -1,0 +1,71 @@
+"""The SPEC's semantics of sparse MLA decode, in plain PyTorch.
+
+This is the oracle every kernel is validated against (in float64) and the "plain PyTorch"
+implementation of ``impl="reference"`` (in float32). It gathers and dequantizes only the
+selected tokens, and it never syncs the host, so it can be captured in a CUDA graph too.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .layout import D_QK, gather_tokens
+
+
+def _gather_valid(k_cache, indices, length, dtype):
+    """Dequantized selected tokens ``[b, s_q, topk, 512]`` (zeros where invalid) and the mask."""
+    b, s_q, topk = indices.shape
+    n_tokens = k_cache.shape[0] * k_cache.shape[1]
+    valid = (indices >= 0) & (indices < n_tokens)
+    if length is not None:
+        pos = torch.arange(topk, device=indices.device)
+        valid &= pos.view(1, 1, topk) < length.view(b, 1, 1)
+    safe = torch.where(valid, indices, torch.zeros_like(indices))
+    kv = gather_tokens(k_cache, safe).to(dtype)
+    # 0 * NaN is NaN: a masked token must contribute an exact zero, whatever its bytes hold.
+    kv = torch.where(valid[..., None], kv, torch.zeros((), dtype=dtype, device=kv.device))
+    return kv, valid
+
+
+def sparse_decode_reference(q, k_cache, indices, softmax_scale=None, attn_sink=None,
+                            topk_length=None, extra_k_cache=None, extra_indices=None,
+                            extra_topk_length=None, *, dtype=torch.float64, batch_chunk=None,
+                            out_dtype=torch.bfloat16):
+    """Reference sparse decode. Arguments as :func:`mla.sparse_decode` (not re-checked here).
+
+    Returns ``out`` bf16 ``[b, s_q, h_q, 512]`` and ``lse`` float32 ``[b, h_q, s_q]``.
+    ``dtype`` is the compute precision; ``out_dtype`` the dtype of ``out`` (bf16 as the API;
+    validation keeps the unrounded float64); ``batch_chunk`` bounds the memory of the gather.
+    """
+    b, s_q, h_q, _ = q.shape
+    scale = D_QK ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if batch_chunk is None:
+        per_b = s_q * (indices.shape[-1] + (0 if extra_indices is None else extra_indices.shape[-1]))
+        batch_chunk = max(1, (1 << 28) // max(1, per_b * D_QK * torch.finfo(dtype).bits // 8))
+    outs, lses = [], []
+    for lo in range(0, b, batch_chunk):
+        hi = min(b, lo + batch_chunk)
+        sl = slice(lo, hi)
+        kv, valid = _gather_valid(k_cache, indices[sl], None if topk_length is None else topk_length[sl], dtype)
+        if extra_k_cache is not None:
+            kv2, valid2 = _gather_valid(extra_k_cache, extra_indices[sl],
+                                        None if extra_topk_length is None else extra_topk_length[sl], dtype)
+            kv, valid = torch.cat([kv, kv2], 2), torch.cat([valid, valid2], 2)
+        qc = q[sl].to(dtype)
+        scores = torch.einsum("bshd,bstd->bsht", qc, kv) * scale
+        scores = scores.masked_fill(~valid[:, :, None, :], -math.inf)
+        lse = torch.logsumexp(scores, dim=-1)                           # [b, s, h]; -inf if empty
+        empty = ~valid.any(-1)[:, :, None]                               # [b, s, 1]
+        lse_safe = torch.where(empty, torch.zeros_like(lse), lse)
+        p = torch.exp(scores - lse_safe[..., None])                      # exp(-inf) = 0
+        out = torch.einsum("bsht,bstd->bshd", p, kv)
+        if attn_sink is not None:
+            sink = attn_sink.to(dtype).view(1, 1, h_q)
+            factor = 1.0 / (1.0 + torch.exp(sink - lse_safe))
+            out = out * torch.where(empty, torch.ones_like(factor), factor)[..., None]
+        out = torch.where(empty[..., None], torch.zeros_like(out), out)
+        lse = torch.where(empty, torch.full_like(lse, math.inf), lse)
+        outs.append(out.to(out_dtype))
+        lses.append(lse.permute(0, 2, 1).float())
+    return torch.cat(outs, 0), torch.cat(lses, 0)

@@ -1,0 +1,193 @@
+"""One device call: validate SIMT and MMA on the GPU, capture MMA in a CUDA graph, and sweep
+MMA configs at the SPEC's shapes. Writes JSON to $OUT (or ./out). Dev tool, GPU only."""
+import json
+import os
+import pathlib
+import time
+
+import torch
+
+import mla
+from mla import bench
+from mla.bench import Case, Shape
+from mla.kernels.mma import MMAConfig, mma_sparse_decode
+from mla.validate import check_against_reference
+
+OUT = pathlib.Path(os.environ.get("OUT", "out"))
+OUT.mkdir(parents=True, exist_ok=True)
+dev = torch.device("cuda")
+log = open(OUT / "log.txt", "a")
+
+
+def say(*a):
+    s = " ".join(str(x) for x in a)
+    print(s, flush=True)
+    log.write(s + "\n")
+    log.flush()
+
+
+def poison(nbytes):
+    t = torch.full((max(1, nbytes // 4),), float("nan"), device=dev)
+    del t
+
+
+def nan_unreferenced(cache, used):
+    """Fill every token not in `used` (and the stride padding) with NaN bytes."""
+    nb, P = cache.shape[:2]
+    ps = cache.stride(0)
+    flat = torch.as_strided(cache.view(torch.uint8), (nb, ps), (ps, 1))
+    keep = torch.zeros(nb * P, dtype=torch.bool, device=dev)
+    keep[used[(used >= 0) & (used < nb * P)].long()] = True
+    keep = keep.view(nb, P)
+    data = flat[:, : P * 576].view(nb, P, 576)
+    sc = flat[:, P * 576: P * 584].view(nb, P, 8)
+    data.masked_fill_(~keep[..., None], 0x7F)     # fp8 NaN in nope; bf16 0x7F7F (finite, huge) in rope
+    data[..., 448:].masked_fill_(~keep[..., None], 0xFF)   # bf16 NaN 0xFFFF in rope
+    sc.masked_fill_(~keep[..., None], 0xFF)               # UE8M0 NaN
+    if ps > P * 584:
+        flat[:, P * 584:] = 0x7F
+
+
+def correctness_case(name, b, s_q, h_q, topk, P, etopk=0, eP=64, nb=None, lens=False, seed=0):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    nb = nb or max(4, (b * s_q * topk) // P // 2 + 3)
+    cache = bench.random_cache(nb, P, dev, g)
+    n = nb * P
+    q = torch.randn(b, s_q, h_q, 512, device=dev, generator=g).bfloat16()
+    idx = torch.randint(0, n, (b, s_q, topk), dtype=torch.int32, device=dev, generator=g)
+    # invalid entries of every kind
+    bad = torch.rand(b, s_q, topk, device=dev, generator=g) < 0.05
+    kinds = torch.tensor([-1, -2 ** 31, 2 ** 31 - 1, n], dtype=torch.int32, device=dev)
+    idx = torch.where(bad, kinds[torch.randint(0, 4, (b, s_q, topk), device=dev, generator=g)], idx)
+    sink = torch.randn(h_q, device=dev, generator=g)
+    sink[0] = float("inf")
+    if h_q > 1:
+        sink[1] = float("-inf")
+    kw = dict(attn_sink=sink)
+    used = [idx]
+    if lens:
+        tl_ = torch.randint(0, topk + 1, (b,), dtype=torch.int32, device=dev, generator=g)
+        tl_[0] = 0
+        kw["topk_length"] = tl_
+        pos = torch.arange(topk, device=dev)
+        used = [torch.where(pos.view(1, 1, -1) < tl_.view(-1, 1, 1), idx, -1)]
+    if etopk:
+        enb = max(4, (b * s_q * etopk) // eP // 2 + 3)
+        ec = bench.random_cache(enb, eP, dev, g)
+        eidx = torch.randint(-2, enb * eP + 2, (b, s_q, etopk), dtype=torch.int32, device=dev, generator=g)
+        kw.update(extra_k_cache=ec, extra_indices=eidx)
+        if lens:
+            etl = torch.randint(0, etopk + 1, (b,), dtype=torch.int32, device=dev, generator=g)
+            kw["extra_topk_length"] = etl
+            pos = torch.arange(etopk, device=dev)
+            eused = torch.where(pos.view(1, 1, -1) < etl.view(-1, 1, 1), eidx, -1)
+        else:
+            eused = eidx
+        nan_unreferenced(ec, eused)
+    nan_unreferenced(cache, used[0])
+    ref_o, ref_l = mla.sparse_decode_reference(q, cache, idx, out_dtype=torch.float64, **kw)
+    res = {}
+    for impl in ("simt", "mma"):
+        poison(b * s_q * h_q * 512 * 4 * 4)
+        o, l = mla.sparse_decode(q, cache, idx, impl=impl, **kw)
+        torch.cuda.synchronize()
+        co, cl = check_against_reference(o, l, ref_o, ref_l)
+        res[impl] = {"out_ok": co.ok, "lse_ok": cl.ok, "out": str(co), "lse": str(cl)}
+        say(f"[{'ok' if co.ok and cl.ok else 'FAIL'}] {name} {impl}: {co} | {cl}")
+    return res
+
+
+def graph_test():
+    s = Shape("DSA", 8, 1, 64, 2048, 64)
+    case = Case(s, dev, pool_bytes=2e8, n_sets=2)
+    idx = case.index_sets[0].clone()
+    fn = lambda: mla.sparse_decode(case.q, case.cache, idx, attn_sink=case.sink, impl="mma")  # noqa: E731
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        fn()
+    torch.cuda.current_stream().wait_stream(st)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        o, l = fn()
+    ok = True
+    for i in range(2):
+        idx.copy_(case.index_sets[i])
+        g.replay()
+        torch.cuda.synchronize()
+        ro, rl = mla.sparse_decode_reference(case.q, case.cache, case.index_sets[i], attn_sink=case.sink,
+                                             out_dtype=torch.float64)
+        co, cl = check_against_reference(o, l, ro, rl)
+        say(f"[{'ok' if co.ok and cl.ok else 'FAIL'}] graph replay set {i}: {co} | {cl}")
+        ok &= co.ok and cl.ok
+    return ok
+
+
+def main():
+    say("torch", torch.__version__, "triton", __import__("triton").__version__, torch.cuda.get_device_name())
+    results = {"correctness": {}, "sweep": [], "simt": [], "reference": []}
+    t0 = time.time()
+    # ---- correctness
+    cases = [("DSA b1", 1, 1, 64, 2048, 64), ("DSA b8", 8, 1, 64, 2048, 64), ("DSA b32", 32, 1, 64, 2048, 64),
+             ("DSA s_q2 b4", 4, 2, 64, 2048, 64), ("odd P61 topk100 h8", 3, 2, 8, 100, 61),
+             ("odd h1 topk1 P1", 2, 1, 1, 1, 1), ("odd h128", 2, 1, 128, 300, 64), ("odd h20 topk77", 3, 3, 20, 77, 33)]
+    for c in cases:
+        results["correctness"][c[0]] = correctness_case(*c)
+    for name, b, h in (("V4-CSA b4", 4, 64), ("V4-TP8 b4", 4, 8), ("V4-CSA b32", 32, 64)):
+        results["correctness"][name] = correctness_case(name, b, 1, h, 128, 256, 512, 64)
+    for name, b, h in (("V4-CSA lens b5", 5, 64), ("odd lens h3", 4, 3)):
+        results["correctness"][name + " +lens"] = correctness_case(name, b, 2, h, 100, 61, 70, 13, lens=True)
+    results["graph_ok"] = graph_test()
+    say(f"correctness done in {time.time() - t0:.0f}s")
+    # ---- ceilings
+    ceil = bench.ceilings(dev)
+    results["ceilings"] = ceil
+    say("ceilings", ceil)
+    # ---- sweep
+    configs = [MMAConfig(64, 64, 8, 1), MMAConfig(64, 32, 8, 1), MMAConfig(64, 64, 8, 2), MMAConfig(64, 32, 8, 2),
+               MMAConfig(64, 32, 4, 1), MMAConfig(32, 64, 4, 1), MMAConfig(32, 32, 4, 2), MMAConfig(16, 64, 4, 1),
+               MMAConfig(64, 64, 8, 1, fp8="int"), MMAConfig(64, 64, 8, 1, waves=2.0), MMAConfig(32, 64, 4, 1, waves=2.0)]
+    shapes = [Shape("DSA", 1, 1, 64, 2048, 64), Shape("DSA", 32, 1, 64, 2048, 64), Shape("DSA", 128, 1, 64, 2048, 64),
+              Shape("V4-CSA", 1, 1, 64, 128, 256, 512, 64), Shape("V4-CSA", 128, 1, 64, 128, 256, 512, 64),
+              Shape("V4-TP8", 1, 1, 8, 128, 256, 512, 64), Shape("V4-TP8", 128, 1, 8, 128, 256, 512, 64)]
+    for s in shapes:
+        case = Case(s, dev, pool_bytes=2e9, n_sets=16)
+        seen = set()
+        for cfg in configs:
+            c2 = cfg.for_heads(s.h_q)
+            if c2 in seen:
+                continue
+            seen.add(c2)
+            try:
+                us = bench.time_graph(case, lambda *a, **k: mma_sparse_decode(*a, **k, config=c2))
+                rec = bench.record(s, "mma", us, None, ceil)
+                rec["config"] = c2.__dict__
+                results["sweep"].append(rec)
+                fm = bench.FLASHMLA_H200_US.get((s.name, s.b))
+                say(f"{s.name:7s} b{s.b:<4d} {str(c2):90s} {us:8.1f} us  roof {rec['roofline']:.2f}  vs FlashMLA {fm}")
+            except Exception as e:  # noqa: BLE001
+                say(f"{s.name} b{s.b} {c2}: ERROR {type(e).__name__}: {str(e)[:300]}")
+        del case
+        torch.cuda.empty_cache()
+        (OUT / "device_mma.json").write_text(json.dumps(results, indent=1))
+    # ---- SIMT and reference at a few shapes
+    for s in (Shape("DSA", 1, 1, 64, 2048, 64), Shape("DSA", 64, 1, 64, 2048, 64),
+              Shape("V4-CSA", 32, 1, 64, 128, 256, 512, 64), Shape("V4-TP8", 32, 1, 8, 128, 256, 512, 64)):
+        case = Case(s, dev, pool_bytes=2e9, n_sets=4)
+        for impl, key in (("simt", "simt"), ("reference", "reference")):
+            try:
+                fn = lambda *a, _i=impl, **k: mla.sparse_decode(*a, **k, impl=_i)  # noqa: E731
+                us = bench.time_graph(case, fn, replays=5)
+                results[key].append(bench.record(s, impl, us, None, ceil))
+                say(f"{impl:9s} {s.name:7s} b{s.b:<4d} {us:9.1f} us")
+            except Exception as e:  # noqa: BLE001
+                say(f"{impl} {s.name} b{s.b}: ERROR {type(e).__name__}: {str(e)[:300]}")
+        del case
+        torch.cuda.empty_cache()
+    results["provenance"] = bench.provenance(ceil)
+    (OUT / "device_mma.json").write_text(json.dumps(results, indent=1))
+    say(f"total {time.time() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
