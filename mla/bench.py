@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import DATA_BYTES, D_QK, NOPE_BYTES, TOKEN_BYTES, page_stride
+from .layout import D_QK, TOKEN_BYTES, page_stride
 
 
 @dataclass(frozen=True)
@@ -64,21 +64,19 @@ def flops(s: Shape) -> int:
     return 2 * s.b * s.s_q * s.h_q * s.topk_total * 2 * D_QK
 
 
-def random_cache(num_blocks: int, page: int, device, generator=None) -> torch.Tensor:
-    """A MODEL1 cache of random, finite, realistic bytes, written directly (fast for GB pools):
-    FP8 bytes of either sign below 0x7F (no NaN), UE8M0 scales 2**-10..2**-4, bf16 rope ~N(0,1)."""
-    from .layout import empty_cache
+def random_cache(num_blocks: int, page: int, device, generator=None, chunk_tokens: int = 1 << 20) -> torch.Tensor:
+    """A MODEL1 cache holding :func:`mla.quantize_kv` of N(0, 1) latents, as FlashMLA's tests use,
+    quantized in chunks so that multi-GB pools fit in memory."""
+    from .layout import empty_cache, quantize_kv
 
     cache = empty_cache(num_blocks, page, device=device, fill=0)
-    flat = torch.as_strided(cache.view(torch.uint8), (num_blocks, page_stride(page)), (cache.stride(0), 1))
-    data = flat[:, : page * DATA_BYTES].view(num_blocks, page, DATA_BYTES)
-    nope = torch.randint(0, 0x7F, (num_blocks, page, NOPE_BYTES), dtype=torch.uint8, device=device, generator=generator)
-    sign = torch.randint(0, 2, (num_blocks, page, NOPE_BYTES), dtype=torch.uint8, device=device, generator=generator)
-    data[..., :NOPE_BYTES] = nope | (sign << 7)
-    rope = torch.randn(num_blocks, page, 64, device=device, generator=generator).bfloat16()
-    data[..., NOPE_BYTES:] = rope.view(torch.uint8)
-    sc = flat[:, page * DATA_BYTES: page * TOKEN_BYTES].view(num_blocks, page, 8)
-    sc[..., :7] = torch.randint(117, 124, (num_blocks, page, 7), dtype=torch.uint8, device=device, generator=generator)
+    ps = page_stride(page)
+    flat = torch.as_strided(cache.view(torch.uint8), (num_blocks, ps), (cache.stride(0), 1))
+    step = max(1, chunk_tokens // page)
+    for lo in range(0, num_blocks, step):
+        hi = min(num_blocks, lo + step)
+        kv = torch.randn(hi - lo, page, D_QK, device=device, generator=generator).bfloat16()
+        flat[lo:hi] = torch.as_strided(quantize_kv(kv).view(torch.uint8), (hi - lo, ps), (ps, 1))
     return cache
 
 

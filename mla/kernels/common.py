@@ -56,6 +56,40 @@ def token_rows(idx_row_ptr, offs, n, n_tokens, P, page_stride):
 
 
 @triton.jit
+def load_raw(cache_ptr, row, srow, valid, T0: tl.constexpr, NT: tl.constexpr):
+    """Issue the loads of tiles ``T0 .. T0+NT-1`` of a token tile, without decoding them:
+    FP8 bytes ``[BLOCK_N, NT, 64]``, UE8M0 bytes ``[BLOCK_N, NT]`` and, when tile 7 is among
+    them, the bf16 rope ``[BLOCK_N, 1, 64]``. Split from :func:`dequant` so that a kernel can
+    issue the next tile's loads before it decodes and multiplies the current one."""
+    t = T0 + tl.arange(0, NT)
+    j = tl.arange(0, 64)
+    is_nope = t < 7
+    nb = tl.load(cache_ptr + row[:, None, None] + (t * 64)[None, :, None] + j[None, None, :],
+                 mask=valid[:, None, None] & is_nope[None, :, None], other=0)
+    sb = tl.load(cache_ptr + srow[:, None] + t[None, :], mask=valid[:, None] & is_nope[None, :], other=0)
+    if T0 + NT > 7:
+        rope_ptr = (cache_ptr + row + _NOPE).to(tl.pointer_type(tl.bfloat16))
+        rope = tl.load(rope_ptr[:, None, None] + j[None, None, :], mask=valid[:, None, None], other=0.0)
+    else:
+        rope = tl.zeros([nb.shape[0], 1, 64], tl.bfloat16)
+    return nb, sb, rope
+
+
+@triton.jit
+def dequant(nb, sb, rope, T0: tl.constexpr, NT: tl.constexpr, FP8_NATIVE: tl.constexpr, OUT: tl.constexpr):
+    """FP8 bytes times their UE8M0 scale (exact), and the rope where tile 7 is, as ``OUT``."""
+    t = T0 + tl.arange(0, NT)
+    scale = ue8m0_to_f32(sb)
+    if FP8_NATIVE:
+        v = nb.to(tl.float8e4nv, bitcast=True).to(OUT) * scale[:, :, None].to(OUT)
+    else:
+        v = (e4m3_to_f32(nb) * scale[:, :, None]).to(OUT)
+    if T0 + NT > 7:
+        v = tl.where((t < 7)[None, :, None], v, rope.to(OUT))
+    return v
+
+
+@triton.jit
 def load_token_tile(cache_ptr, row, srow, valid, FP8_NATIVE: tl.constexpr, OUT: tl.constexpr,
                     T0: tl.constexpr = 0, NT: tl.constexpr = 8):
     """Gather and dequantize tiles ``T0 .. T0+NT-1`` of tokens into ``[BLOCK_N, NT, 64]`` of
@@ -63,23 +97,8 @@ def load_token_tile(cache_ptr, row, srow, valid, FP8_NATIVE: tl.constexpr, OUT: 
 
     ``cache_ptr`` is the cache as uint8. Masked (invalid) tokens come out as exact zeros,
     whatever their bytes hold (0 * NaN is NaN, so a mask on the probabilities is not enough)."""
-    t = T0 + tl.arange(0, NT)
-    j = tl.arange(0, 64)
-    is_nope = t < 7
-    m3 = valid[:, None, None] & is_nope[None, :, None]
-    nb = tl.load(cache_ptr + row[:, None, None] + (t * 64)[None, :, None] + j[None, None, :],
-                 mask=m3, other=0)
-    sb = tl.load(cache_ptr + srow[:, None] + t[None, :], mask=valid[:, None] & is_nope[None, :], other=0)
-    scale = ue8m0_to_f32(sb)
-    if FP8_NATIVE:
-        v = nb.to(tl.float8e4nv, bitcast=True).to(OUT) * scale[:, :, None].to(OUT)
-    else:
-        v = (e4m3_to_f32(nb) * scale[:, :, None]).to(OUT)
-    if T0 + NT > 7:
-        rope_ptr = (cache_ptr + row + _NOPE).to(tl.pointer_type(tl.bfloat16))
-        rope = tl.load(rope_ptr[:, None, None] + j[None, None, :], mask=valid[:, None, None], other=0.0)
-        v = tl.where(is_nope[None, :, None], v, rope.to(OUT))
-    return v
+    nb, sb, rope = load_raw(cache_ptr, row, srow, valid, T0, NT)
+    return dequant(nb, sb, rope, T0, NT, FP8_NATIVE, OUT)
 
 
 def fp8_native(device: torch.device) -> bool:

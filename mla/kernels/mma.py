@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .. import _runtime
 from ..layout import D_QK
-from .common import cache_args, fp8_native, load_token_tile, token_rows
+from .common import cache_args, dequant, fp8_native, load_raw, load_token_tile, token_rows
 
 LOG2E = 1.4426950408889634
 
@@ -27,25 +27,81 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _mma_cache_pass(m_i, l_i, acc0, acc1, q0, q1, cache_ptr, page_stride, P, n_tokens, idx_row_ptr, n,
                     tile_lo, tile_hi, sm_scale_log2,
-                    BLOCK_N: tl.constexpr, FP8_NATIVE: tl.constexpr, DOT: tl.constexpr):
+                    BLOCK_N: tl.constexpr, FP8_NATIVE: tl.constexpr, DOT: tl.constexpr,
+                    PREFETCH: tl.constexpr = False):
     """Fold token tiles ``[tile_lo, tile_hi)`` of one cache (first ``n`` positions valid) into
-    the running state of BLOCK_H heads."""
+    the running state of BLOCK_H heads.
+
+    With PREFETCH the loop is software-pipelined by hand: while tile i is decoded and multiplied,
+    the bytes of tile i+1 and the indices of tile i+2 are already in flight, so neither the
+    index load nor the dependent gather sits on the critical path."""
+    ar = tl.arange(0, BLOCK_N)
+    if PREFETCH:
+        n_lim = tl.minimum(n, tile_hi * BLOCK_N)        # positions past this split are masked
+        valid, row, srow = token_rows(idx_row_ptr, tile_lo * BLOCK_N + ar, n_lim, n_tokens, P, page_stride)
+        a0, s0, r0 = load_raw(cache_ptr, row, srow, valid, 0, 4)
+        a1, s1, r1 = load_raw(cache_ptr, row, srow, valid, 4, 4)
+        v_nx, row_nx, srow_nx = token_rows(idx_row_ptr, (tile_lo + 1) * BLOCK_N + ar, n_lim, n_tokens, P,
+                                           page_stride)
+        for ti in range(tile_lo, tile_hi):
+            # in flight during this tile's math: bytes of ti+1, indices of ti+2
+            b0, t0, u0 = load_raw(cache_ptr, row_nx, srow_nx, v_nx, 0, 4)
+            b1, t1, u1 = load_raw(cache_ptr, row_nx, srow_nx, v_nx, 4, 4)
+            v2, row2, srow2 = token_rows(idx_row_ptr, (ti + 2) * BLOCK_N + ar, n_lim, n_tokens, P, page_stride)
+            k0 = tl.reshape(dequant(a0, s0, r0, 0, 4, FP8_NATIVE, DOT), [BLOCK_N, 256])
+            k1 = tl.reshape(dequant(a1, s1, r1, 4, 4, FP8_NATIVE, DOT), [BLOCK_N, 256])
+            m_i, l_i, acc0, acc1 = _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, valid, sm_scale_log2, DOT)
+            a0, s0, r0, a1, s1, r1, valid = b0, t0, u0, b1, t1, u1, v_nx
+            v_nx, row_nx, srow_nx = v2, row2, srow2
+    else:
+        for ti in range(tile_lo, tile_hi):
+            valid, row, srow = token_rows(idx_row_ptr, ti * BLOCK_N + ar, n, n_tokens, P, page_stride)
+            k0 = tl.reshape(load_token_tile(cache_ptr, row, srow, valid, FP8_NATIVE, DOT, 0, 4), [BLOCK_N, 256])
+            k1 = tl.reshape(load_token_tile(cache_ptr, row, srow, valid, FP8_NATIVE, DOT, 4, 4), [BLOCK_N, 256])
+            m_i, l_i, acc0, acc1 = _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, valid, sm_scale_log2, DOT)
+    return m_i, l_i, acc0, acc1
+
+
+@triton.jit
+def _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, valid, sm_scale_log2, DOT: tl.constexpr):
+    """One tile of the online softmax with heads as M: S = Q.K^T, O = O*alpha + P.V."""
+    s = tl.dot(q0, tl.trans(k0))
+    s = tl.dot(q1, tl.trans(k1), s)
+    s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))        # [BLOCK_H, BLOCK_N]
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    pd = p.to(DOT)
+    acc0 = tl.dot(pd, k0, acc0 * alpha[:, None])
+    acc1 = tl.dot(pd, k1, acc1 * alpha[:, None])
+    return m_new, l_i, acc0, acc1
+
+
+@triton.jit
+def _mma_cache_pass_t(m_i, l_i, acc0, acc1, q0t, q1t, cache_ptr, page_stride, P, n_tokens, idx_row_ptr, n,
+                      tile_lo, tile_hi, sm_scale_log2,
+                      BLOCK_N: tl.constexpr, FP8_NATIVE: tl.constexpr, DOT: tl.constexpr):
+    """The same fold with tokens as the M dimension of the dots ("S^T = K.Q^T", "O^T += V^T.P^T"):
+    the token tile, not the head block, is split across warpgroups, so no warpgroup repeats
+    another's Q.K^T. State is transposed: acc ``[256, BLOCK_H]`` halves, m and l per head."""
     for ti in range(tile_lo, tile_hi):
         offs = ti * BLOCK_N + tl.arange(0, BLOCK_N)
         valid, row, srow = token_rows(idx_row_ptr, offs, n, n_tokens, P, page_stride)
         k0 = tl.reshape(load_token_tile(cache_ptr, row, srow, valid, FP8_NATIVE, DOT, 0, 4), [BLOCK_N, 256])
         k1 = tl.reshape(load_token_tile(cache_ptr, row, srow, valid, FP8_NATIVE, DOT, 4, 4), [BLOCK_N, 256])
-        s = tl.dot(q0, tl.trans(k0))
-        s = tl.dot(q1, tl.trans(k1), s)
-        s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))        # [BLOCK_H, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        st = tl.dot(k0, q0t)
+        st = tl.dot(k1, q1t, st)
+        st = tl.where(valid[:, None], st * sm_scale_log2, float("-inf"))      # [BLOCK_N, BLOCK_H]
+        m_new = tl.maximum(m_i, tl.max(st, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        pd = p.to(DOT)
-        acc0 = tl.dot(pd, k0, acc0 * alpha[:, None])
-        acc1 = tl.dot(pd, k1, acc1 * alpha[:, None])
+        pt = tl.exp2(st - m_safe[None, :])
+        l_i = l_i * alpha + tl.sum(pt, 0)
+        ptd = pt.to(DOT)
+        acc0 = tl.dot(tl.trans(k0), ptd, acc0 * alpha[None, :])
+        acc1 = tl.dot(tl.trans(k1), ptd, acc1 * alpha[None, :])
         m_i = m_new
     return m_i, l_i, acc0, acc1
 
@@ -58,7 +114,8 @@ def mma_decode_kernel(
     s_q, h_q, sm_scale_log2, num_splits,
     HAS_SINK: tl.constexpr, HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_ELEN: tl.constexpr,
     PARTIAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8_NATIVE: tl.constexpr, DOT: tl.constexpr,
+    FP8_NATIVE: tl.constexpr, DOT: tl.constexpr, TOKENS_AS_M: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     hb = tl.program_id(0)
     split = tl.program_id(1)
@@ -88,15 +145,32 @@ def mma_decode_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc0 = tl.zeros([BLOCK_H, 256], tl.float32)
-    acc1 = tl.zeros([BLOCK_H, 256], tl.float32)
-    m_i, l_i, acc0, acc1 = _mma_cache_pass(
-        m_i, l_i, acc0, acc1, q0, q1, kc_ptr, kc_stride, kc_P, kc_n, idx_ptr + tok.to(tl.int64) * topk, n1,
-        lo, tl.minimum(hi, tiles1), sm_scale_log2, BLOCK_N, FP8_NATIVE, DOT)
-    if HAS_EXTRA:
+    idx_main = idx_ptr + tok.to(tl.int64) * topk
+    idx_extra = eidx_ptr + tok.to(tl.int64) * etopk
+    if TOKENS_AS_M:
+        q0t = tl.trans(q0)
+        q1t = tl.trans(q1)
+        acc0t = tl.zeros([256, BLOCK_H], tl.float32)
+        acc1t = tl.zeros([256, BLOCK_H], tl.float32)
+        m_i, l_i, acc0t, acc1t = _mma_cache_pass_t(
+            m_i, l_i, acc0t, acc1t, q0t, q1t, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
+            lo, tl.minimum(hi, tiles1), sm_scale_log2, BLOCK_N, FP8_NATIVE, DOT)
+        if HAS_EXTRA:
+            m_i, l_i, acc0t, acc1t = _mma_cache_pass_t(
+                m_i, l_i, acc0t, acc1t, q0t, q1t, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2,
+                tl.maximum(lo, tiles1) - tiles1, hi - tiles1, sm_scale_log2, BLOCK_N, FP8_NATIVE, DOT)
+        acc0 = tl.trans(acc0t)
+        acc1 = tl.trans(acc1t)
+    else:
+        acc0 = tl.zeros([BLOCK_H, 256], tl.float32)
+        acc1 = tl.zeros([BLOCK_H, 256], tl.float32)
         m_i, l_i, acc0, acc1 = _mma_cache_pass(
-            m_i, l_i, acc0, acc1, q0, q1, ec_ptr, ec_stride, ec_P, ec_n, eidx_ptr + tok.to(tl.int64) * etopk, n2,
-            tl.maximum(lo, tiles1) - tiles1, hi - tiles1, sm_scale_log2, BLOCK_N, FP8_NATIVE, DOT)
+            m_i, l_i, acc0, acc1, q0, q1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
+            lo, tl.minimum(hi, tiles1), sm_scale_log2, BLOCK_N, FP8_NATIVE, DOT, PREFETCH)
+        if HAS_EXTRA:
+            m_i, l_i, acc0, acc1 = _mma_cache_pass(
+                m_i, l_i, acc0, acc1, q0, q1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2,
+                tl.maximum(lo, tiles1) - tiles1, hi - tiles1, sm_scale_log2, BLOCK_N, FP8_NATIVE, DOT, PREFETCH)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -170,12 +244,15 @@ class MMAConfig:
     num_stages: int = 1
     waves: float = 1.0        # split heuristic: aim at waves * SM-count programs
     fp8: str = "auto"         # "auto" | "native" (fp8e4nv) | "int" (integer decode)
+    tokens_as_m: bool = False  # dots with the token tile as M (transposed) instead of the heads
+    prefetch: bool = False     # hand-pipelined loop: next tile's bytes in flight during the math
 
     def for_heads(self, h_q: int) -> "MMAConfig":
         """BLOCK_H never exceeds h_q rounded up to a power of two, and never drops below 16
         (the smallest M of a tensor-core dot): heads are padded inside the kernel."""
         bh = max(16, min(self.block_h, triton.next_power_of_2(h_q)))
-        return MMAConfig(bh, self.block_n, self.num_warps, self.num_stages, self.waves, self.fp8)
+        return MMAConfig(bh, self.block_n, self.num_warps, self.num_stages, self.waves, self.fp8, self.tokens_as_m,
+                         self.prefetch)
 
 
 INTERPRETER_CONFIG = MMAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
@@ -244,7 +321,7 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
         HAS_SINK=attn_sink is not None, HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra,
         HAS_ELEN=extra_topk_length is not None, PARTIAL=ns > 1,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, FP8_NATIVE=fp8_native(dev) if cfg.fp8 == "auto" else cfg.fp8 == "native", DOT=_runtime.dot_dtype(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TOKENS_AS_M=cfg.tokens_as_m, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if ns > 1:
         bhc = 4

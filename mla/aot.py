@@ -1,0 +1,124 @@
+"""Ahead-of-time compilation of the kernels for a GPU architecture, on any machine (no GPU).
+
+``triton.compile`` with a ``GPUTarget`` needs no GPU, only Triton's bundled ptxas. It must run
+with TRITON_INTERPRET=0 set before Triton is imported (an interpreted kernel cannot be
+compiled), so :func:`report` runs the compile in a fresh Python process.
+
+Shared memory per block by architecture (the SPEC's limits; a shipped config must fit):
+sm_80 163 KB, sm_89 and sm_120 99 KB, sm_90 and sm_100 227 KB.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+#: Largest shared memory a block may use, bytes (opt-in maximum), per architecture.
+SMEM_LIMIT = {80: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
+ARCHS = tuple(SMEM_LIMIT)
+
+# Argument types of the decode kernel, by name (pointer element types and scalars).
+_MMA_TYPES = {
+    "q_ptr": "*bf16", "out_ptr": "*bf16", "lse_ptr": "*fp32", "sink_ptr": "*fp32", "po_ptr": "*fp32",
+    "plse_ptr": "*fp32", "kc_ptr": "*u8", "kc_stride": "i32", "kc_P": "i32", "kc_n": "i32", "idx_ptr": "*i32",
+    "topk": "i32", "len_ptr": "*i32", "ec_ptr": "*u8", "ec_stride": "i32", "ec_P": "i32", "ec_n": "i32",
+    "eidx_ptr": "*i32", "etopk": "i32", "elen_ptr": "*i32", "s_q": "i32", "h_q": "i32",
+    "sm_scale_log2": "fp32", "num_splits": "i32",
+}
+_ALIGNED = {"q_ptr", "out_ptr", "lse_ptr", "sink_ptr", "po_ptr", "plse_ptr", "kc_ptr", "idx_ptr", "len_ptr",
+            "ec_ptr", "eidx_ptr", "elen_ptr", "kc_stride", "ec_stride"}
+
+
+def _compile_in_process(kernel_name: str, arch: int, constexprs: dict, num_warps: int, num_stages: int,
+                        want_asm: tuple = ()) -> dict:
+    """Compile one kernel variant (this process must have TRITON_INTERPRET unset or 0)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from .kernels import mma as mma_mod
+    from .kernels import simt as simt_mod
+
+    kernel = {"mma_decode_kernel": mma_mod.mma_decode_kernel,
+              "simt_decode_kernel": simt_mod.simt_decode_kernel}[kernel_name]
+    sig, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        else:
+            sig[name] = _MMA_TYPES[name]
+            if name in _ALIGNED:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    consts = dict(constexprs)
+    if "DOT" in consts and isinstance(consts["DOT"], str):
+        consts["DOT"] = getattr(triton.language, consts["DOT"])
+    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    target = GPUTarget("cuda", arch, 32)
+    ck = triton.compile(src, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
+    res = {"arch": arch, "shared": int(ck.metadata.shared), "num_warps": num_warps, "num_stages": num_stages}
+    regs, spill = _ptxas_usage(ck.asm["ptx"], arch)
+    res.update(regs=regs, spill_bytes=spill)
+    for k in want_asm:
+        res[k] = ck.asm[k] if isinstance(ck.asm[k], str) else None
+    return res
+
+
+def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
+    """Registers per thread and spill bytes, from the bundled ptxas' -v report."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(arch).path if hasattr(get_ptxas(arch), "path") else get_ptxas(arch)[0]
+    sm = f"sm_{arch}a" if arch in (90, 100) else f"sm_{arch}"
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "k.ptx")
+        with open(p, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([ptxas, "-v", f"-arch={sm}", p, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True)
+    txt = out.stdout + out.stderr
+    regs = re.findall(r"Used (\d+) registers", txt)
+    spill = re.findall(r"(\d+) bytes spill stores", txt)
+    return (int(regs[-1]) if regs else -1, int(spill[-1]) if spill else 0)
+
+
+def report(variants: list[dict], timeout: int = 1800) -> list[dict]:
+    """Compile each variant ``{"kernel", "arch", "constexprs", "num_warps", "num_stages"}`` in a
+    fresh process with TRITON_INTERPRET=0; returns one dict per variant (shared, regs, spill
+    bytes, or "error")."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    code = ("import json,sys; from mla.aot import _worker; _worker()")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", code], input=json.dumps(variants), capture_output=True,
+                          text=True, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"AOT compile process failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _worker():
+    variants = json.loads(sys.stdin.read())
+    out = []
+    for v in variants:
+        try:
+            r = _compile_in_process(v["kernel"], v["arch"], v["constexprs"], v["num_warps"], v["num_stages"],
+                                    tuple(v.get("asm", ())))
+            r["fits"] = r["shared"] <= SMEM_LIMIT[v["arch"]]
+        except Exception as e:  # noqa: BLE001
+            r = {"arch": v["arch"], "error": f"{type(e).__name__}: {str(e)[:500]}"}
+        out.append({**{k: v[k] for k in ("kernel", "constexprs", "num_warps", "num_stages")}, **r})
+    sys.stdout.write("\n" + json.dumps(out) + "\n")
+
+
+def mma_variant(arch: int, block_h=64, block_n=64, num_warps=8, num_stages=1, has_extra=True, partial=True,
+                tokens_as_m=False, prefetch=False, asm: tuple = ()) -> dict:
+    """The decode kernel's variant for ``arch`` with a config (sink and lengths on)."""
+    return {"kernel": "mma_decode_kernel", "arch": arch, "num_warps": num_warps, "num_stages": num_stages,
+            "asm": list(asm),
+            "constexprs": {"HAS_SINK": True, "HAS_LEN": True, "HAS_EXTRA": has_extra, "HAS_ELEN": has_extra,
+                           "PARTIAL": partial, "BLOCK_H": block_h, "BLOCK_N": block_n,
+                           "FP8_NATIVE": arch >= 89, "DOT": "bfloat16",
+                           "TOKENS_AS_M": tokens_as_m, "PREFETCH": prefetch}}
