@@ -7,10 +7,12 @@ timing means nothing.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import pathlib
 import statistics
 import subprocess
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -201,3 +203,92 @@ def record(s: Shape, impl: str, us_graph: float, us_eager: float | None, ceil: d
             "us_graph": round(us_graph, 2), "us_eager": None if us_eager is None else round(us_eager, 2),
             "tflops": round(flops(s) / t / 1e12, 2), "gbps": round(traffic_bytes(s) / t / 1e9, 1),
             "roofline": round(floor / t, 4)}
+
+
+IMPL_NAMES = ("mma", "simt", "reference")
+
+
+def run(shapes=None, impls=IMPL_NAMES, out_dir="results", name="bench", pool_bytes=2e9, n_sets=16,
+        eager=True, progress=True) -> dict:
+    """Run the protocol on this GPU and write ``<out_dir>/<gpu-slug>/<name>.json``."""
+    import mla
+
+    if _interpreting():
+        raise RuntimeError("mla.bench: refusing to time under Triton's CPU interpreter "
+                           "(TRITON_INTERPRET=1): an interpreter timing means nothing. Run it on a CUDA GPU.")
+    if not torch.cuda.is_available():
+        raise RuntimeError("mla.bench: no CUDA GPU found")
+    from tqdm.auto import tqdm
+
+    dev = torch.device("cuda")
+    shapes = list(shapes or spec_shapes())
+    ceil = ceilings(dev)
+    records = []
+    bar = tqdm(total=len(shapes) * len(impls), disable=not progress, desc="mla.bench")
+    for s in shapes:
+        case = Case(s, dev, pool_bytes=pool_bytes, n_sets=n_sets)
+        for impl in impls:
+            fn = lambda *a, _i=impl, **k: mla.sparse_decode(*a, **k, impl=_i)  # noqa: E731
+            slow = impl != "mma"
+            us_g = time_graph(case, fn, replays=5 if slow else 20)
+            us_e = time_eager(case, fn) if eager and not slow else None
+            records.append(record(s, impl, us_g, us_e, ceil))
+            bar.update(1)
+        del case
+        torch.cuda.empty_cache()
+    bar.close()
+    result = {"provenance": provenance(ceil), "records": records}
+    path = pathlib.Path(out_dir) / gpu_slug(result["provenance"]["gpu"]) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    result["path"] = str(path)
+    return result
+
+
+def table(records) -> str:
+    """A plain-text table of records (rich renders it in a notebook or terminal)."""
+    from rich.table import Table
+    from rich.console import Console
+
+    t = Table(title="sparse decode, us per call (CUDA graph)")
+    for col in ("shape", "b", "s_q", "h_q", "impl", "us_graph", "us_eager", "TFLOP/s", "GB/s", "roofline", "FlashMLA us"):
+        t.add_column(col, justify="right")
+    for r in records:
+        fm = FLASHMLA_H200_US.get((r["shape"], r["b"]))
+        t.add_row(r["shape"], str(r["b"]), str(r["s_q"]), str(r["h_q"]), r["impl"], f"{r['us_graph']:.1f}",
+                  "-" if r["us_eager"] is None else f"{r['us_eager']:.1f}", f"{r['tflops']:.1f}",
+                  f"{r['gbps']:.0f}", f"{r['roofline']:.2f}", "-" if fm is None else f"{fm}")
+    con = Console(width=160, record=True)
+    con.print(t)
+    return con.export_text()
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m mla.bench", description=__doc__)
+    ap.add_argument("--impl", action="append", choices=IMPL_NAMES, help="impls to time (default: all)")
+    ap.add_argument("--shape", action="append", help="only SPEC shapes with this name (e.g. DSA, V4-CSA)")
+    ap.add_argument("--b", action="append", type=int, help="only these batch sizes")
+    ap.add_argument("--out", default="results", help="results folder (default: results)")
+    ap.add_argument("--name", default="bench", help="file name (default: bench)")
+    ap.add_argument("--pool-gb", type=float, default=2.0, help="KV pool size per cache, GB (default 2)")
+    ap.add_argument("--no-eager", action="store_true", help="skip the do_bench eager timing")
+    a = ap.parse_args(argv)
+    shapes = [s for s in spec_shapes() if (not a.shape or s.name in a.shape) and (not a.b or s.b in a.b)]
+    try:
+        res = run(shapes, tuple(a.impl or IMPL_NAMES), a.out, a.name, a.pool_gb * 1e9, eager=not a.no_eager)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(table(res["records"]))
+    print(f"wrote {res['path']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,5 +1,6 @@
 """One device call: validate SIMT and MMA on the GPU, capture MMA in a CUDA graph, and sweep
 MMA configs at the SPEC's shapes. Writes JSON to $OUT (or ./out). Dev tool, GPU only."""
+import dataclasses
 import json
 import os
 import pathlib
@@ -51,7 +52,7 @@ def nan_unreferenced(cache, used):
 IMPLS = {
     "simt": lambda *a, **k: mla.sparse_decode(*a, **k, impl="simt"),
     "mma": lambda *a, **k: mla.sparse_decode(*a, **k, impl="mma"),
-    "mma-prefetch32": lambda *a, **k: mma_sparse_decode(*a, **k, config=MMAConfig(64, 32, 8, 1, prefetch=True)),
+    "mma-bf16P": lambda *a, **k: mma_sparse_decode(*a, **k, config=MMAConfig(p_split=False)),
     "mma-tokM128": lambda *a, **k: mma_sparse_decode(*a, **k, config=MMAConfig(64, 128, 8, 1, tokens_as_m=True)),
 }
 
@@ -131,70 +132,61 @@ def graph_test():
     return ok
 
 
-def main():
-    say("torch", torch.__version__, "triton", __import__("triton").__version__, torch.cuda.get_device_name())
-    results = {"correctness": {}, "sweep": [], "simt": [], "reference": []}
-    t0 = time.time()
-    # ---- correctness
-    cases = [("DSA b1", 1, 1, 64, 2048, 64), ("DSA b8", 8, 1, 64, 2048, 64), ("DSA b32", 32, 1, 64, 2048, 64),
-             ("DSA s_q2 b4", 4, 2, 64, 2048, 64), ("odd P61 topk100 h8", 3, 2, 8, 100, 61),
-             ("odd h1 topk1 P1", 2, 1, 1, 1, 1), ("odd h128", 2, 1, 128, 300, 64), ("odd h20 topk77", 3, 3, 20, 77, 33)]
-    for c in cases:
-        results["correctness"][c[0]] = correctness_case(*c)
-    for name, b, h in (("V4-CSA b4", 4, 64), ("V4-TP8 b4", 4, 8), ("V4-CSA b32", 32, 64)):
-        results["correctness"][name] = correctness_case(name, b, 1, h, 128, 256, 512, 64)
-    for name, b, h in (("V4-CSA lens b5", 5, 64), ("odd lens h3", 4, 3)):
-        results["correctness"][name + " +lens"] = correctness_case(name, b, 2, h, 100, 61, 70, 13, lens=True)
-    results["graph_ok"] = graph_test()
-    say(f"correctness done in {time.time() - t0:.0f}s")
-    # ---- ceilings
-    ceil = bench.ceilings(dev)
-    results["ceilings"] = ceil
-    say("ceilings", ceil)
-    # ---- sweep
-    configs = [MMAConfig(64, 64, 8, 1), MMAConfig(64, 32, 8, 1), MMAConfig(64, 32, 8, 1, prefetch=True),
-               MMAConfig(64, 64, 8, 1, prefetch=True), MMAConfig(64, 128, 8, 1, tokens_as_m=True),
-               MMAConfig(64, 64, 8, 1, waves=2.0), MMAConfig(64, 32, 8, 1, waves=2.0, prefetch=True),
-               MMAConfig(16, 64, 4, 1), MMAConfig(16, 64, 4, 1, prefetch=True), MMAConfig(16, 32, 4, 1, prefetch=True)]
-    shapes = [Shape("DSA", 1, 1, 64, 2048, 64), Shape("DSA", 32, 1, 64, 2048, 64), Shape("DSA", 128, 1, 64, 2048, 64),
-              Shape("V4-CSA", 1, 1, 64, 128, 256, 512, 64), Shape("V4-CSA", 128, 1, 64, 128, 256, 512, 64),
-              Shape("V4-TP8", 1, 1, 8, 128, 256, 512, 64), Shape("V4-TP8", 128, 1, 8, 128, 256, 512, 64)]
-    for s in shapes:
+def sweep(ceil, results):
+    h64 = [MMAConfig(), MMAConfig(p_split=False), MMAConfig(num_stages=2), MMAConfig(block_n=32),
+           MMAConfig(64, 128, 8, 1, tokens_as_m=True), MMAConfig(ctas_per_sm=2)]
+    h16 = [MMAConfig(16, 64, 4), MMAConfig(16, 64, 8), MMAConfig(16, 32, 4), MMAConfig(16, 128, 4),
+           MMAConfig(16, 64, 4, p_split=False), MMAConfig(16, 64, 4, ctas_per_sm=2)]
+    plan = [(Shape("DSA", 32, 1, 64, 2048, 64), h64), (Shape("DSA", 128, 1, 64, 2048, 64), h64),
+            (Shape("DSA", 1, 1, 64, 2048, 64), h64[:2]), (Shape("V4-CSA", 128, 1, 64, 128, 256, 512, 64), h64),
+            (Shape("V4-CSA", 1, 1, 64, 128, 256, 512, 64), h64[:2]),
+            (Shape("V4-TP8", 1, 1, 8, 128, 256, 512, 64), h16), (Shape("V4-TP8", 32, 1, 8, 128, 256, 512, 64), h16),
+            (Shape("V4-TP8", 128, 1, 8, 128, 256, 512, 64), h16)]
+    for s, cfgs in plan:
         case = Case(s, dev, pool_bytes=2e9, n_sets=16)
-        seen = set()
-        for cfg in configs:
+        for cfg in cfgs + [dataclasses.replace(cfgs[0], ablate=1)]:
             c2 = cfg.for_heads(s.h_q)
-            if c2 in seen:
-                continue
-            seen.add(c2)
             try:
-                us = bench.time_graph(case, lambda *a, **k: mma_sparse_decode(*a, **k, config=c2))
+                us = bench.time_graph(case, lambda *a, _c=c2, **k: mma_sparse_decode(*a, **k, config=_c))
                 rec = bench.record(s, "mma", us, None, ceil)
-                rec["config"] = c2.__dict__
+                rec["config"] = dataclasses.asdict(c2)
                 results["sweep"].append(rec)
                 fm = bench.FLASHMLA_H200_US.get((s.name, s.b))
-                say(f"{s.name:7s} b{s.b:<4d} {str(c2):90s} {us:8.1f} us  roof {rec['roofline']:.2f}  vs FlashMLA {fm}")
+                say(f"{s.name:7s} b{s.b:<4d} {us:8.1f} us roof {rec['roofline']:.2f} FlashMLA {fm}  {c2}")
             except Exception as e:  # noqa: BLE001
                 say(f"{s.name} b{s.b} {c2}: ERROR {type(e).__name__}: {str(e)[:300]}")
         del case
         torch.cuda.empty_cache()
-        (OUT / "device_mma.json").write_text(json.dumps(results, indent=1))
-    # ---- SIMT and reference at a few shapes
-    for s in () if os.environ.get("SKIP_SIMT") else (Shape("DSA", 1, 1, 64, 2048, 64), Shape("DSA", 64, 1, 64, 2048, 64),
-              Shape("V4-CSA", 32, 1, 64, 128, 256, 512, 64), Shape("V4-TP8", 32, 1, 8, 128, 256, 512, 64)):
-        case = Case(s, dev, pool_bytes=2e9, n_sets=4)
-        for impl, key in (("simt", "simt"), ("reference", "reference")):
-            try:
-                fn = lambda *a, _i=impl, **k: mla.sparse_decode(*a, **k, impl=_i)  # noqa: E731
-                us = bench.time_graph(case, fn, replays=5)
-                results[key].append(bench.record(s, impl, us, None, ceil))
-                say(f"{impl:9s} {s.name:7s} b{s.b:<4d} {us:9.1f} us")
-            except Exception as e:  # noqa: BLE001
-                say(f"{impl} {s.name} b{s.b}: ERROR {type(e).__name__}: {str(e)[:300]}")
-        del case
-        torch.cuda.empty_cache()
+
+
+def main():
+    say("torch", torch.__version__, "triton", __import__("triton").__version__, torch.cuda.get_device_name())
+    phases = os.environ.get("PHASES", "correct,sweep").split(",")
+    results = {"correctness": {}, "sweep": []}
+    t0 = time.time()
+    if "correct" in phases:
+        cases = [("DSA b1", 1, 1, 64, 2048, 64), ("DSA b8", 8, 1, 64, 2048, 64), ("DSA b32", 32, 1, 64, 2048, 64),
+                 ("DSA s_q2 b4", 4, 2, 64, 2048, 64), ("odd P61 topk100 h8", 3, 2, 8, 100, 61),
+                 ("odd h1 topk1 P1", 2, 1, 1, 1, 1), ("odd h128", 2, 1, 128, 300, 64),
+                 ("odd h20 topk77", 3, 3, 20, 77, 33)]
+        for c in cases:
+            results["correctness"][c[0]] = correctness_case(*c)
+        for name, b, h in (("V4-CSA b4", 4, 64), ("V4-TP8 b4", 4, 8), ("V4-CSA b32", 32, 64)):
+            results["correctness"][name] = correctness_case(name, b, 1, h, 128, 256, 512, 64)
+        for name, b, h in (("V4-CSA lens b5", 5, 64), ("odd lens h3", 4, 3)):
+            results["correctness"][name + " +lens"] = correctness_case(name, b, 2, h, 100, 61, 70, 13, lens=True)
+        results["graph_ok"] = graph_test()
+        say(f"correctness done in {time.time() - t0:.0f}s")
+    ceil = bench.ceilings(dev)
+    results["ceilings"] = ceil
+    say("ceilings", ceil)
+    if "sweep" in phases:
+        sweep(ceil, results)
     results["provenance"] = bench.provenance(ceil)
     (OUT / "device_mma.json").write_text(json.dumps(results, indent=1))
+    if "bench" in phases:
+        res = bench.run(out_dir=str(OUT), progress=False)
+        say(bench.table(res["records"]))
     say(f"total {time.time() - t0:.0f}s")
 
 

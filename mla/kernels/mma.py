@@ -11,6 +11,7 @@ contiguous range of token tiles of that list. With one split the kernel writes t
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ LOG2E = 1.4426950408889634
 def _mma_cache_pass(m_i, l_i, acc0, acc1, q0, q1, cache_ptr, page_stride, P, n_tokens, idx_row_ptr, n,
                     tile_lo, tile_hi, sm_scale_log2,
                     BLOCK_N: tl.constexpr, FP8_NATIVE: tl.constexpr, DOT: tl.constexpr,
-                    PREFETCH: tl.constexpr = False):
+                    PREFETCH: tl.constexpr = False, P_SPLIT: tl.constexpr = False, ABLATE: tl.constexpr = 0):
     """Fold token tiles ``[tile_lo, tile_hi)`` of one cache (first ``n`` positions valid) into
     the running state of BLOCK_H heads.
 
@@ -50,20 +51,24 @@ def _mma_cache_pass(m_i, l_i, acc0, acc1, q0, q1, cache_ptr, page_stride, P, n_t
             v2, row2, srow2 = token_rows(idx_row_ptr, (ti + 2) * BLOCK_N + ar, n_lim, n_tokens, P, page_stride)
             k0 = tl.reshape(dequant(a0, s0, r0, 0, 4, FP8_NATIVE, DOT), [BLOCK_N, 256])
             k1 = tl.reshape(dequant(a1, s1, r1, 4, 4, FP8_NATIVE, DOT), [BLOCK_N, 256])
-            m_i, l_i, acc0, acc1 = _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, valid, sm_scale_log2, DOT)
+            m_i, l_i, acc0, acc1 = _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, valid, sm_scale_log2, DOT, P_SPLIT)
             a0, s0, r0, a1, s1, r1, valid = b0, t0, u0, b1, t1, u1, v_nx
             v_nx, row_nx, srow_nx = v2, row2, srow2
     else:
         for ti in range(tile_lo, tile_hi):
             valid, row, srow = token_rows(idx_row_ptr, ti * BLOCK_N + ar, n, n_tokens, P, page_stride)
+            if ABLATE == 1:     # timing ablation: every tile reads the same first tokens (cache hits)
+                row = (ar % P).to(tl.int64) * 576
+                srow = P * 576 + (ar % P).to(tl.int64) * 8
             k0 = tl.reshape(load_token_tile(cache_ptr, row, srow, valid, FP8_NATIVE, DOT, 0, 4), [BLOCK_N, 256])
             k1 = tl.reshape(load_token_tile(cache_ptr, row, srow, valid, FP8_NATIVE, DOT, 4, 4), [BLOCK_N, 256])
-            m_i, l_i, acc0, acc1 = _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, valid, sm_scale_log2, DOT)
+            m_i, l_i, acc0, acc1 = _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, valid, sm_scale_log2, DOT, P_SPLIT)
     return m_i, l_i, acc0, acc1
 
 
 @triton.jit
-def _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, valid, sm_scale_log2, DOT: tl.constexpr):
+def _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, valid, sm_scale_log2, DOT: tl.constexpr,
+                 P_SPLIT: tl.constexpr):
     """One tile of the online softmax with heads as M: S = Q.K^T, O = O*alpha + P.V."""
     s = tl.dot(q0, tl.trans(k0))
     s = tl.dot(q1, tl.trans(k1), s)
@@ -76,13 +81,19 @@ def _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, valid, sm_scale_log2, DOT
     pd = p.to(DOT)
     acc0 = tl.dot(pd, k0, acc0 * alpha[:, None])
     acc1 = tl.dot(pd, k1, acc1 * alpha[:, None])
+    if P_SPLIT:
+        # P = hi + lo in two bf16 terms: the P.V error drops from 2**-9 to 2**-17 relative.
+        plo = (p - pd.to(tl.float32)).to(DOT)
+        acc0 = tl.dot(plo, k0, acc0)
+        acc1 = tl.dot(plo, k1, acc1)
     return m_new, l_i, acc0, acc1
 
 
 @triton.jit
 def _mma_cache_pass_t(m_i, l_i, acc0, acc1, q0t, q1t, cache_ptr, page_stride, P, n_tokens, idx_row_ptr, n,
                       tile_lo, tile_hi, sm_scale_log2,
-                      BLOCK_N: tl.constexpr, FP8_NATIVE: tl.constexpr, DOT: tl.constexpr):
+                      BLOCK_N: tl.constexpr, FP8_NATIVE: tl.constexpr, DOT: tl.constexpr,
+                      P_SPLIT: tl.constexpr = False):
     """The same fold with tokens as the M dimension of the dots ("S^T = K.Q^T", "O^T += V^T.P^T"):
     the token tile, not the head block, is split across warpgroups, so no warpgroup repeats
     another's Q.K^T. State is transposed: acc ``[256, BLOCK_H]`` halves, m and l per head."""
@@ -102,6 +113,10 @@ def _mma_cache_pass_t(m_i, l_i, acc0, acc1, q0t, q1t, cache_ptr, page_stride, P,
         ptd = pt.to(DOT)
         acc0 = tl.dot(tl.trans(k0), ptd, acc0 * alpha[None, :])
         acc1 = tl.dot(tl.trans(k1), ptd, acc1 * alpha[None, :])
+        if P_SPLIT:
+            plo = (pt - ptd.to(tl.float32)).to(DOT)
+            acc0 = tl.dot(tl.trans(k0), plo, acc0)
+            acc1 = tl.dot(tl.trans(k1), plo, acc1)
         m_i = m_new
     return m_i, l_i, acc0, acc1
 
@@ -115,7 +130,7 @@ def mma_decode_kernel(
     HAS_SINK: tl.constexpr, HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_ELEN: tl.constexpr,
     PARTIAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8_NATIVE: tl.constexpr, DOT: tl.constexpr, TOKENS_AS_M: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, P_SPLIT: tl.constexpr = False, ABLATE: tl.constexpr = 0,
 ):
     hb = tl.program_id(0)
     split = tl.program_id(1)
@@ -154,11 +169,11 @@ def mma_decode_kernel(
         acc1t = tl.zeros([256, BLOCK_H], tl.float32)
         m_i, l_i, acc0t, acc1t = _mma_cache_pass_t(
             m_i, l_i, acc0t, acc1t, q0t, q1t, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
-            lo, tl.minimum(hi, tiles1), sm_scale_log2, BLOCK_N, FP8_NATIVE, DOT)
+            lo, tl.minimum(hi, tiles1), sm_scale_log2, BLOCK_N, FP8_NATIVE, DOT, P_SPLIT)
         if HAS_EXTRA:
             m_i, l_i, acc0t, acc1t = _mma_cache_pass_t(
                 m_i, l_i, acc0t, acc1t, q0t, q1t, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2,
-                tl.maximum(lo, tiles1) - tiles1, hi - tiles1, sm_scale_log2, BLOCK_N, FP8_NATIVE, DOT)
+                tl.maximum(lo, tiles1) - tiles1, hi - tiles1, sm_scale_log2, BLOCK_N, FP8_NATIVE, DOT, P_SPLIT)
         acc0 = tl.trans(acc0t)
         acc1 = tl.trans(acc1t)
     else:
@@ -166,11 +181,11 @@ def mma_decode_kernel(
         acc1 = tl.zeros([BLOCK_H, 256], tl.float32)
         m_i, l_i, acc0, acc1 = _mma_cache_pass(
             m_i, l_i, acc0, acc1, q0, q1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
-            lo, tl.minimum(hi, tiles1), sm_scale_log2, BLOCK_N, FP8_NATIVE, DOT, PREFETCH)
+            lo, tl.minimum(hi, tiles1), sm_scale_log2, BLOCK_N, FP8_NATIVE, DOT, PREFETCH, P_SPLIT, ABLATE)
         if HAS_EXTRA:
             m_i, l_i, acc0, acc1 = _mma_cache_pass(
                 m_i, l_i, acc0, acc1, q0, q1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2,
-                tl.maximum(lo, tiles1) - tiles1, hi - tiles1, sm_scale_log2, BLOCK_N, FP8_NATIVE, DOT, PREFETCH)
+                tl.maximum(lo, tiles1) - tiles1, hi - tiles1, sm_scale_log2, BLOCK_N, FP8_NATIVE, DOT, PREFETCH, P_SPLIT, ABLATE)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -242,26 +257,29 @@ class MMAConfig:
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 1
-    waves: float = 1.0        # split heuristic: aim at waves * SM-count programs
+    ctas_per_sm: int = 1      # split heuristic: how many programs one SM runs at once
     fp8: str = "auto"         # "auto" | "native" (fp8e4nv) | "int" (integer decode)
     tokens_as_m: bool = False  # dots with the token tile as M (transposed) instead of the heads
     prefetch: bool = False     # hand-pipelined loop: next tile's bytes in flight during the math
+    p_split: bool = True       # P.V with P as two bf16 terms (hi + lo): SPEC accuracy at few tokens
+    ablate: int = 0            # timing ablations only (1: no gather); results are wrong
 
     def for_heads(self, h_q: int) -> "MMAConfig":
         """BLOCK_H never exceeds h_q rounded up to a power of two, and never drops below 16
         (the smallest M of a tensor-core dot): heads are padded inside the kernel."""
-        bh = max(16, min(self.block_h, triton.next_power_of_2(h_q)))
-        return MMAConfig(bh, self.block_n, self.num_warps, self.num_stages, self.waves, self.fp8, self.tokens_as_m,
-                         self.prefetch)
+        return dataclasses.replace(self, block_h=max(16, min(self.block_h, triton.next_power_of_2(h_q))))
 
 
 INTERPRETER_CONFIG = MMAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
 
 
 def default_config(h_q: int, device: torch.device) -> MMAConfig:
+    """The shipped config for this GPU and h_q (see :mod:`mla.configs`), else a generic one."""
     if _runtime.INTERPRET or device.type != "cuda":
         return INTERPRETER_CONFIG.for_heads(h_q)
-    return MMAConfig().for_heads(h_q)
+    from .. import configs
+
+    return configs.lookup(h_q, device).for_heads(h_q)
 
 
 _SM_COUNT: dict = {}
@@ -277,12 +295,18 @@ def sm_count(device: torch.device) -> int:
 
 
 def num_splits(b: int, s_q: int, h_q: int, topk_total: int, cfg: MMAConfig, sms: int) -> int:
-    """Split-K count from the shapes alone (no host sync): enough programs to fill
-    ``cfg.waves`` waves of the SMs, never more splits than token tiles."""
+    """Split-K count from the shapes alone (no host sync). Models the time as (waves of programs)
+    x (token tiles per program) and takes the cheapest split, preferring fewer splits on a tie
+    (each split adds partial-output traffic and, past one, the combine kernel)."""
     progs = b * s_q * triton.cdiv(h_q, cfg.block_h)
-    tiles = triton.cdiv(topk_total, cfg.block_n)
-    want = triton.cdiv(max(1, int(cfg.waves * sms)), progs)
-    return max(1, min(want, tiles))
+    tiles = max(1, triton.cdiv(topk_total, cfg.block_n))
+    slots = max(1, sms * cfg.ctas_per_sm)
+    best, best_cost = 1, None
+    for s in range(1, tiles + 1):
+        cost = triton.cdiv(progs * s, slots) * triton.cdiv(tiles, s) + (0.5 if s > 1 else 0.0) + 0.01 * s
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
 
 
 def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, topk_length=None,
@@ -321,10 +345,11 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
         HAS_SINK=attn_sink is not None, HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra,
         HAS_ELEN=extra_topk_length is not None, PARTIAL=ns > 1,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, FP8_NATIVE=fp8_native(dev) if cfg.fp8 == "auto" else cfg.fp8 == "native", DOT=_runtime.dot_dtype(),
-        TOKENS_AS_M=cfg.tokens_as_m, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TOKENS_AS_M=cfg.tokens_as_m, PREFETCH=cfg.prefetch,
+        P_SPLIT=cfg.p_split and not _runtime.INTERPRET, ABLATE=cfg.ablate, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if ns > 1:
-        bhc = 4
+        bhc = 1
         combine_kernel[(b * s_q, triton.cdiv(h_q, bhc))](
             po, plse, out, lse, sink, s_q, h_q, ns, HAS_SINK=attn_sink is not None, BLOCK_HC=bhc,
             num_warps=4)

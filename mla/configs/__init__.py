@@ -1,0 +1,68 @@
+"""Shipped launch configs of the MMA kernel, as JSON keyed by GPU name and Triton version
+(the way vLLM and SGLang ship tuned configs). Serving calls read them; they never autotune.
+
+A file ``<slug>.json`` holds ``{"gpu": "NVIDIA H200", "triton": "3.6", "measured": "...",
+"configs": {"16": {...}, "32": {...}, "64": {...}, "128": {...}}}``: one MMAConfig per bucket of
+h_q (the smallest bucket >= h_q applies). Set ``MLA_CONFIG_FILE`` to use another file.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import pathlib
+
+import torch
+
+log = logging.getLogger("mla")
+_DIR = pathlib.Path(__file__).parent
+BUCKETS = (16, 32, 64, 128)
+
+
+def _generic():
+    from ..kernels.mma import MMAConfig
+
+    return {16: MMAConfig(block_h=16, block_n=64, num_warps=4), 32: MMAConfig(block_h=32, block_n=64, num_warps=4),
+            64: MMAConfig(), 128: MMAConfig()}
+
+
+def _files():
+    env = os.environ.get("MLA_CONFIG_FILE")
+    return [pathlib.Path(env)] if env else sorted(_DIR.glob("*.json"))
+
+
+@functools.lru_cache(maxsize=None)
+def table_for(gpu_name: str, triton_version: str):
+    """(source, {bucket: MMAConfig}) for a GPU name and Triton version; the generic table if no
+    shipped file matches the GPU (a file for another Triton minor version still applies, logged)."""
+    from ..kernels.mma import MMAConfig
+
+    tv = ".".join(triton_version.split(".")[:2])
+    match = None
+    for f in _files():
+        data = json.loads(f.read_text())
+        if data.get("gpu") != gpu_name:
+            continue
+        if match is None or data.get("triton") == tv:
+            match = (f, data)
+    if match is None:
+        log.info("mla: no shipped MMA config for %s; using generic defaults", gpu_name)
+        return "generic", _generic()
+    f, data = match
+    table = {int(k): MMAConfig(**v) for k, v in data["configs"].items()}
+    note = "" if data.get("triton") == tv else f" (tuned with Triton {data.get('triton')}, running {tv})"
+    log.info("mla: MMA configs from %s for %s%s", f.name, gpu_name, note)
+    return f.name, table
+
+
+def lookup(h_q: int, device: torch.device):
+    """The MMAConfig for h_q on this device."""
+    import triton
+
+    name = torch.cuda.get_device_name(device)
+    _, table = table_for(name, triton.__version__)
+    for b in BUCKETS:
+        if h_q <= b and b in table:
+            return table[b]
+    return table[max(table)]
