@@ -45,6 +45,10 @@ def _compile_in_process(kernel_name: str, arch: int, constexprs: dict, num_warps
     kernel = {"mma_decode_kernel": mma_mod.mma_decode_kernel,
               "simt_decode_kernel": simt_mod.simt_decode_kernel}[kernel_name]
     sig, attrs = {}, {}
+    constexprs = dict(constexprs)
+    for i, name in enumerate(kernel.arg_names):      # constexprs left out take their defaults
+        if name not in constexprs and name not in _MMA_TYPES:
+            constexprs[name] = kernel.params[i].default
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
@@ -114,11 +118,13 @@ def _worker():
 
 
 def mma_variant(arch: int, block_h=64, block_n=64, num_warps=8, num_stages=1, has_extra=True, partial=True,
-                tokens_as_m=False, prefetch=False, asm: tuple = ()) -> dict:
+                tokens_as_m=False, prefetch=False, p_split=False, dot="float16",
+                asm: tuple = ()) -> dict:
     """The decode kernel's variant for ``arch`` with a config (sink and lengths on)."""
     return {"kernel": "mma_decode_kernel", "arch": arch, "num_warps": num_warps, "num_stages": num_stages,
             "asm": list(asm),
             "constexprs": {"HAS_SINK": True, "HAS_LEN": True, "HAS_EXTRA": has_extra, "HAS_ELEN": has_extra,
                            "PARTIAL": partial, "BLOCK_H": block_h, "BLOCK_N": block_n,
-                           "FP8_NATIVE": arch >= 89, "DOT": "bfloat16",
-                           "TOKENS_AS_M": tokens_as_m, "PREFETCH": prefetch}}
+                           "FP8_NATIVE": arch >= 89, "DOT": dot,
+                           "TOKENS_AS_M": tokens_as_m, "PREFETCH": prefetch,
+                           "P_SPLIT": p_split}}

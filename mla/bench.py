@@ -192,7 +192,16 @@ def provenance(ceil: dict) -> dict:
     return {"gpu": props.name, "sm_count": props.multi_processor_count, "driver": drv,
             "torch": torch.__version__, "triton": triton.__version__, "commit": commit,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
-            "ceilings": ceil}
+            "ceilings": ceil, "mma_configs": _config_source()}
+
+
+def _config_source() -> str:
+    from . import configs
+
+    try:
+        return configs.source()
+    except Exception:  # noqa: BLE001
+        return "unknown"
 
 
 def record(s: Shape, impl: str, us_graph: float, us_eager: float | None, ceil: dict) -> dict:

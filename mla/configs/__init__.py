@@ -23,7 +23,7 @@ BUCKETS = (16, 32, 64, 128)
 def _generic():
     from ..kernels.mma import MMAConfig
 
-    return {16: MMAConfig(block_h=16, block_n=64, num_warps=4), 32: MMAConfig(block_h=32, block_n=64, num_warps=4),
+    return {16: MMAConfig(block_h=16, block_n=64, num_warps=8), 32: MMAConfig(block_h=32, block_n=64, num_warps=8),
             64: MMAConfig(), 128: MMAConfig()}
 
 
@@ -66,3 +66,20 @@ def lookup(h_q: int, device: torch.device):
         if h_q <= b and b in table:
             return table[b]
     return table[max(table)]
+
+
+def source(device=None) -> str:
+    """Which table serves this device: a shipped file's name, or "generic"."""
+    import triton
+
+    return table_for(torch.cuda.get_device_name(device), triton.__version__)[0]
+
+
+def write(path, gpu_name: str, triton_version: str, table: dict, measured: str = "") -> None:
+    """Write a config file in the shipped format (``table``: bucket -> MMAConfig)."""
+    import dataclasses
+
+    data = {"gpu": gpu_name, "triton": ".".join(triton_version.split(".")[:2]), "measured": measured,
+            "configs": {str(k): {f: v for f, v in dataclasses.asdict(c).items() if f != "ablate"}
+                        for k, c in sorted(table.items())}}
+    pathlib.Path(path).write_text(json.dumps(data, indent=1) + "\n")

@@ -261,7 +261,8 @@ class MMAConfig:
     fp8: str = "auto"         # "auto" | "native" (fp8e4nv) | "int" (integer decode)
     tokens_as_m: bool = False  # dots with the token tile as M (transposed) instead of the heads
     prefetch: bool = False     # hand-pipelined loop: next tile's bytes in flight during the math
-    p_split: bool = True       # P.V with P as two bf16 terms (hi + lo): SPEC accuracy at few tokens
+    dot: str = "fp16"          # tensor-core operand type: "fp16" (P to 2**-11) or "bf16" (P to 2**-8)
+    p_split: bool = False      # bf16 only: P.V with P as two bf16 terms (hi + lo), 2x the P.V work
     ablate: int = 0            # timing ablations only (1: no gather); results are wrong
 
     def for_heads(self, h_q: int) -> "MMAConfig":
@@ -271,6 +272,7 @@ class MMAConfig:
 
 
 INTERPRETER_CONFIG = MMAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+_DOT_TYPES = {"fp16": tl.float16, "bf16": tl.bfloat16}
 
 
 def default_config(h_q: int, device: torch.device) -> MMAConfig:
@@ -344,7 +346,8 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
         s_q, h_q, scale * LOG2E, ns,
         HAS_SINK=attn_sink is not None, HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra,
         HAS_ELEN=extra_topk_length is not None, PARTIAL=ns > 1,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, FP8_NATIVE=fp8_native(dev) if cfg.fp8 == "auto" else cfg.fp8 == "native", DOT=_runtime.dot_dtype(),
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, FP8_NATIVE=fp8_native(dev) if cfg.fp8 == "auto" else cfg.fp8 == "native",
+        DOT=_runtime.dot_dtype() if _runtime.INTERPRET else _DOT_TYPES[cfg.dot],
         TOKENS_AS_M=cfg.tokens_as_m, PREFETCH=cfg.prefetch,
         P_SPLIT=cfg.p_split and not _runtime.INTERPRET, ABLATE=cfg.ablate, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
