@@ -128,3 +128,27 @@ def mma_variant(arch: int, block_h=64, block_n=64, num_warps=8, num_stages=1, ha
                            "FP8_NATIVE": arch >= 89, "DOT": dot,
                            "TOKENS_AS_M": tokens_as_m, "PREFETCH": prefetch,
                            "P_SPLIT": p_split}}
+
+
+def config_variant(arch: int, cfg, asm: tuple = ()) -> dict:
+    """The decode kernel's variant for ``arch`` under an :class:`~mla.kernels.mma.MMAConfig`."""
+    return mma_variant(arch, block_h=cfg.block_h, block_n=cfg.block_n, num_warps=cfg.num_warps,
+                       num_stages=cfg.num_stages, tokens_as_m=cfg.tokens_as_m, prefetch=cfg.prefetch,
+                       p_split=cfg.p_split, dot={"fp16": "float16", "bf16": "bfloat16"}[cfg.dot], asm=asm)
+
+
+def shipped_variants(arch: int) -> list[dict]:
+    """Every config that ``mla`` may launch on ``arch``: its generic table, plus the shipped
+    tables of GPUs of that architecture (the H200 file for sm_90)."""
+    from . import configs
+
+    tables = [configs.generic(arch)]
+    if arch == 90:
+        tables.append(configs.table_for("NVIDIA H200", "3.6", 90)[1])
+    seen, out = set(), []
+    for t in tables:
+        for cfg in t.values():
+            if cfg not in seen:
+                seen.add(cfg)
+                out.append(config_variant(arch, cfg))
+    return out

@@ -1,6 +1,8 @@
 """The public entry point, :func:`sparse_decode`, with FlashMLA's argument names and checks."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import _runtime
@@ -84,8 +86,10 @@ def check_inputs(q, k_cache, indices, softmax_scale=None, attn_sink=None, topk_l
         _fail("k_cache", f"device mismatch: on {k_cache.device}, q is on {dev}")
     _check_indices(indices, "indices", b, s_q, dev)
     if softmax_scale is not None:
-        if isinstance(softmax_scale, torch.Tensor) or not isinstance(softmax_scale, (int, float)):
+        if isinstance(softmax_scale, (torch.Tensor, bool)) or not isinstance(softmax_scale, (int, float)):
             _fail("softmax_scale", f"expected a Python float, got {type(softmax_scale).__name__}")
+        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+            _fail("softmax_scale", f"expected a finite float > 0, got {softmax_scale!r}")
     if attn_sink is not None:
         if not isinstance(attn_sink, torch.Tensor):
             _fail("attn_sink", f"expected a torch.Tensor, got {type(attn_sink).__name__}")

@@ -113,7 +113,7 @@ def quantize_kv(kv: torch.Tensor) -> torch.Tensor:
     into the MODEL1 FP8 layout. Returns ``[num_blocks, P, 1, 584]`` float8_e4m3fn with the
     padded page stride. Padding bytes are zero."""
     if not isinstance(kv, torch.Tensor):
-        raise ValueError("kv must be a torch.Tensor")
+        raise ValueError(f"kv: expected a torch.Tensor, got {type(kv).__name__}")
     if kv.dim() == 4:
         if kv.shape[2] != 1:
             raise ValueError(f"kv: expected one KV head (shape[2] == 1), got shape {tuple(kv.shape)}")

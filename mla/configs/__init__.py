@@ -20,11 +20,14 @@ _DIR = pathlib.Path(__file__).parent
 BUCKETS = (16, 32, 64, 128)
 
 
-def _generic():
+def generic(arch: int = 90) -> dict:
+    """Untuned defaults for an architecture (``arch`` = 10*major + minor). One stage, so that
+    they fit the 99 KB parts too (tests/test_aot.py checks every architecture)."""
     from ..kernels.mma import MMAConfig
 
-    return {16: MMAConfig(block_h=16, block_n=64, num_warps=8), 32: MMAConfig(block_h=32, block_n=64, num_warps=8),
-            64: MMAConfig(), 128: MMAConfig()}
+    bn = 64
+    return {16: MMAConfig(block_h=16, block_n=64, num_warps=8), 32: MMAConfig(block_h=32, block_n=bn, num_warps=8),
+            64: MMAConfig(block_n=bn), 128: MMAConfig(block_n=bn)}
 
 
 def _files():
@@ -33,7 +36,7 @@ def _files():
 
 
 @functools.lru_cache(maxsize=None)
-def table_for(gpu_name: str, triton_version: str):
+def table_for(gpu_name: str, triton_version: str, arch: int = 90):
     """(source, {bucket: MMAConfig}) for a GPU name and Triton version; the generic table if no
     shipped file matches the GPU (a file for another Triton minor version still applies, logged)."""
     from ..kernels.mma import MMAConfig
@@ -47,8 +50,8 @@ def table_for(gpu_name: str, triton_version: str):
         if match is None or data.get("triton") == tv:
             match = (f, data)
     if match is None:
-        log.info("mla: no shipped MMA config for %s; using generic defaults", gpu_name)
-        return "generic", _generic()
+        log.info("mla: no shipped MMA config for %s; using generic defaults for sm_%d", gpu_name, arch)
+        return "generic", generic(arch)
     f, data = match
     table = {int(k): MMAConfig(**v) for k, v in data["configs"].items()}
     note = "" if data.get("triton") == tv else f" (tuned with Triton {data.get('triton')}, running {tv})"
@@ -61,7 +64,8 @@ def lookup(h_q: int, device: torch.device):
     import triton
 
     name = torch.cuda.get_device_name(device)
-    _, table = table_for(name, triton.__version__)
+    major, minor = torch.cuda.get_device_capability(device)
+    _, table = table_for(name, triton.__version__, 10 * major + minor)
     for b in BUCKETS:
         if h_q <= b and b in table:
             return table[b]
@@ -72,7 +76,8 @@ def source(device=None) -> str:
     """Which table serves this device: a shipped file's name, or "generic"."""
     import triton
 
-    return table_for(torch.cuda.get_device_name(device), triton.__version__)[0]
+    major, minor = torch.cuda.get_device_capability(device)
+    return table_for(torch.cuda.get_device_name(device), triton.__version__, 10 * major + minor)[0]
 
 
 def write(path, gpu_name: str, triton_version: str, table: dict, measured: str = "") -> None:

@@ -201,7 +201,7 @@ def mma_decode_kernel(
         lse = lse2 * 0.6931471805599453
         if HAS_SINK:
             sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
-            f = 1.0 / (1.0 + tl.exp(sink - lse))
+            f = 1.0 / (1.0 + tl.exp(sink - tl.where(empty, 0.0, lse)))
             o0 = o0 * f[:, None]
             o1 = o1 * f[:, None]
         o0 = tl.where(empty[:, None], 0.0, o0)
@@ -242,7 +242,7 @@ def combine_kernel(po_ptr, plse_ptr, out_ptr, lse_ptr, sink_ptr, s_q, h_q, num_s
     out = acc / wsafe[:, None]
     if HAS_SINK:
         sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
-        out = out * (1.0 / (1.0 + tl.exp(sink - lse)))[:, None]
+        out = out * (1.0 / (1.0 + tl.exp(sink - tl.where(empty, 0.0, lse))))[:, None]
     out = tl.where(empty[:, None], 0.0, out)
     tl.store(out_ptr + (tok.to(tl.int64) * h_q + heads)[:, None] * 512 + c[None, :],
              out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])

@@ -80,7 +80,7 @@ def simt_decode_kernel(
     out = acc / l_safe[:, None]
     if HAS_SINK:
         sink = tl.load(sink_ptr + h + tl.zeros([1], tl.int32))
-        out = out * (1.0 / (1.0 + tl.exp(sink - lse)))[:, None]
+        out = out * (1.0 / (1.0 + tl.exp(sink - tl.where(empty, 0.0, lse))))[:, None]
     out = tl.where(empty[:, None], 0.0, out)
     lse = tl.where(empty, float("inf"), lse)
     tl.store(out_ptr + (tok.to(tl.int64) * h_q + h) * 512 + col, out.to(out_ptr.dtype.element_ty))

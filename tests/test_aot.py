@@ -1,0 +1,32 @@
+"""Ahead-of-time compiles (no GPU needed): every config mla may launch fits its architecture."""
+import pytest
+
+from mla import aot
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    variants = [v for arch in aot.ARCHS for v in aot.shipped_variants(arch)]
+    return aot.report(variants)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_every_shipped_config_compiles_and_fits_shared_memory(compiled):
+    archs = set()
+    for r in compiled:
+        assert "error" not in r, r
+        assert r["shared"] <= aot.SMEM_LIMIT[r["arch"]], r
+        assert r["fits"]
+        archs.add(r["arch"])
+    assert archs == set(aot.ARCHS)
+
+
+@pytest.mark.slow
+def test_a_config_too_big_for_99kb_is_reported_as_not_fitting():
+    """The check is not vacuous: two pipeline stages at BLOCK_N 64, h_q 64 need more than
+    sm_120's 99 KB (the H200's shipped h_q-64 config would not fit there)."""
+    (r,) = aot.report([aot.mma_variant(120, block_h=64, block_n=64, num_warps=8, num_stages=2)])
+    assert "error" not in r, r
+    assert r["shared"] > aot.SMEM_LIMIT[120]
+    assert not r["fits"]
