@@ -14,7 +14,6 @@ Two consequences of the interpreter, both from SPEC "The kernels":
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 
@@ -23,9 +22,13 @@ HAS_CUDA: bool = torch.cuda.is_available()
 
 _user_set = "TRITON_INTERPRET" in os.environ
 if not HAS_CUDA and not _user_set:
+    # Triton's own @jit helpers (tl.cdiv and friends) are built when triton.language is first
+    # imported: if that happened before this line they are compiled-mode functions that an
+    # interpreted kernel cannot call. mla's kernels use none of them, so importing triton first
+    # is fine for mla; for your own kernels, import mla (or set TRITON_INTERPRET) first.
     os.environ["TRITON_INTERPRET"] = "1"
     print("mla: no CUDA GPU found; running the Triton kernels on the CPU interpreter "
-          "(TRITON_INTERPRET=1). Expect it to be slow; use small shapes.", file=sys.stderr)
+          "(TRITON_INTERPRET=1). Expect it to be slow; use small shapes.")
 
 #: True when Triton kernels run in the interpreter (CPU).
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")

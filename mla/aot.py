@@ -63,8 +63,11 @@ def _compile_in_process(kernel_name: str, arch: int, constexprs: dict, num_warps
     target = GPUTarget("cuda", arch, 32)
     ck = triton.compile(src, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
     res = {"arch": arch, "shared": int(ck.metadata.shared), "num_warps": num_warps, "num_stages": num_stages}
-    regs, spill = _ptxas_usage(ck.asm["ptx"], arch)
-    res.update(regs=regs, spill_bytes=spill)
+    ptx = ck.asm["ptx"]
+    regs, spill = _ptxas_usage(ptx, arch)
+    # A kernel the backend could not lower is emitted as a lone `trap;` (seen on sm_100 when the
+    # accumulators exceed tensor memory): it "fits" but would fault on launch.
+    res.update(regs=regs, spill_bytes=spill, usable="ld.global" in ptx)
     for k in want_asm:
         res[k] = ck.asm[k] if isinstance(ck.asm[k], str) else None
     return res
@@ -75,7 +78,8 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     from triton.backends.nvidia.compiler import get_ptxas
 
     ptxas = get_ptxas(arch).path if hasattr(get_ptxas(arch), "path") else get_ptxas(arch)[0]
-    sm = f"sm_{arch}a" if arch in (90, 100) else f"sm_{arch}"
+    m = re.search(r"^\s*\.target\s+(sm_\w+)", ptx, re.M)      # e.g. sm_90a, sm_120a
+    sm = m.group(1) if m else f"sm_{arch}"
     with tempfile.TemporaryDirectory() as d:
         p = os.path.join(d, "k.ptx")
         with open(p, "w") as f:
@@ -110,7 +114,7 @@ def _worker():
         try:
             r = _compile_in_process(v["kernel"], v["arch"], v["constexprs"], v["num_warps"], v["num_stages"],
                                     tuple(v.get("asm", ())))
-            r["fits"] = r["shared"] <= SMEM_LIMIT[v["arch"]]
+            r["fits"] = r["shared"] <= SMEM_LIMIT[v["arch"]] and r["usable"]
         except Exception as e:  # noqa: BLE001
             r = {"arch": v["arch"], "error": f"{type(e).__name__}: {str(e)[:500]}"}
         out.append({**{k: v[k] for k in ("kernel", "constexprs", "num_warps", "num_stages")}, **r})

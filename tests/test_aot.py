@@ -17,6 +17,8 @@ def test_every_shipped_config_compiles_and_fits_shared_memory(compiled):
     for r in compiled:
         assert "error" not in r, r
         assert r["shared"] <= aot.SMEM_LIMIT[r["arch"]], r
+        assert r["usable"], f"compiled to a trap, not a kernel: {r}"
+        assert r["regs"] > 0, r
         assert r["fits"]
         archs.add(r["arch"])
     assert archs == set(aot.ARCHS)
@@ -30,3 +32,13 @@ def test_a_config_too_big_for_99kb_is_reported_as_not_fitting():
     assert "error" not in r, r
     assert r["shared"] > aot.SMEM_LIMIT[120]
     assert not r["fits"]
+
+
+@pytest.mark.slow
+def test_a_kernel_lowered_to_a_trap_is_reported_as_not_usable():
+    """Triton 3.9 lowers a BLOCK_H 64 program for sm_100 to a lone `trap` (its accumulators do
+    not fit tensor memory); the report must not call that a fitting kernel. If a later Triton
+    compiles it for real, this test says so and the generic sm_100 table can go back to 64."""
+    (r,) = aot.report([aot.mma_variant(100, block_h=64, block_n=64, num_warps=8)])
+    assert "error" not in r, r
+    assert not r["usable"] and not r["fits"]

@@ -26,8 +26,12 @@ def generic(arch: int = 90) -> dict:
     from ..kernels.mma import MMAConfig
 
     bn = 64
+    # sm_100 (Blackwell): with Triton 3.9 a BLOCK_H 64 program's two [64, 256] fp32 accumulators
+    # plus S do not fit tensor memory and the kernel compiles to a lone `trap` (mla.aot reports
+    # it as not usable); BLOCK_H 32 compiles to a real kernel.
+    bh = 32 if 100 <= arch < 120 else 64
     return {16: MMAConfig(block_h=16, block_n=64, num_warps=8), 32: MMAConfig(block_h=32, block_n=bn, num_warps=8),
-            64: MMAConfig(block_n=bn), 128: MMAConfig(block_n=bn)}
+            64: MMAConfig(block_h=bh, block_n=bn), 128: MMAConfig(block_h=bh, block_n=bn)}
 
 
 def _files():
@@ -39,9 +43,12 @@ def _files():
 def table_for(gpu_name: str, triton_version: str, arch: int = 90):
     """(source, {bucket: MMAConfig}) for a GPU name and Triton version; the generic table if no
     shipped file matches the GPU (a file for another Triton minor version still applies, logged)."""
-    from ..kernels.mma import MMAConfig
+    from ..kernels.mma import MMAConfig, mma_decode_kernel
+    from ..tuning import kernel_name
 
     tv = ".".join(triton_version.split(".")[:2])
+    log.info("mla: %s on %s (sm_%d, Triton %s) launches with a config table, never autotuning",
+             kernel_name(mma_decode_kernel), gpu_name, arch, tv)
     match = None
     for f in _files():
         data = json.loads(f.read_text())

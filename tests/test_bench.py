@@ -1,0 +1,190 @@
+"""mla.bench on the CPU: the command line, the byte and FLOP counts, the record arithmetic, the
+SPEC's shapes, the GPU slug and the comparison of two results. Nothing here times anything."""
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from mla import bench
+from mla.layout import TOKEN_BYTES
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _cli(*args, env_extra=None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "mla.bench", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=300)
+
+
+def test_cli_refuses_under_the_interpreter():
+    # TRITON_INTERPRET=1 is what `import mla` sets on a machine with no GPU; set it here too, so
+    # that the test means the same on a GPU box.
+    p = _cli("--impl", "mma", "--shape", "DSA", "--b", "1", env_extra={"TRITON_INTERPRET": "1"})
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+    assert "refusing to run under Triton's CPU interpreter" in p.stderr
+    assert "an interpreter timing means nothing" in p.stderr
+    assert "wrote" not in p.stdout
+
+
+def test_run_refuses_under_the_interpreter(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(RuntimeError, match="interpreter"):
+        bench.run(bench.spec_shapes()[:1], ("mma",), out_dir=str(tmp_path), progress=False)
+    assert not any(tmp_path.iterdir())
+
+
+def test_cli_help():
+    p = _cli("--help")
+    assert p.returncode == 0, p.stderr
+    for flag in ("--impl", "--shape", "--b", "--out", "--name", "--pool-gb", "--repeat", "--no-eager",
+                 "--compare", "--against", "--tol"):
+        assert flag in p.stdout, flag
+    assert "results/<gpu-slug>/<name>.json" in p.stdout
+
+
+def test_cli_unknown_shape(capsys):
+    assert bench.main(["--shape", "MHA"]) == 2
+    assert "unknown shape" in capsys.readouterr().err
+
+
+def test_traffic_and_flops_by_hand():
+    # DSA, b=1: s_q 1, h_q 64, topk 2048, no extra cache.
+    #   tokens  2048 * (584 cache bytes + 4 index bytes) = 1_204_224
+    #   q       64 heads * 512 * 2 bytes (bf16)          =    65_536
+    #   out     64 * 512 * 2                             =    65_536
+    #   lse     64 * 4 (fp32)                            =       256
+    #   total                                            = 1_335_552 bytes
+    #   FLOP    2 * b*s_q*h_q*topk * (512 + 512) = 2 * 64 * 2048 * 1024 = 268_435_456
+    s = bench.Shape("DSA", 1, 1, 64, 2048, 64)
+    assert TOKEN_BYTES == 584
+    assert bench.traffic_bytes(s) == 2048 * (584 + 4) + 64 * 512 * 2 + 64 * 512 * 2 + 64 * 4 == 1_335_552
+    assert bench.flops(s) == 268_435_456
+    # V4-CSA, b=32: topk 128 + extra 512 = 640 tokens per query, h_q 64.
+    #   32 * (640 * 588 + 64 * (1024 + 1024 + 4)) = 32 * (376_320 + 131_328) = 16_244_736
+    #   FLOP 2 * 32 * 64 * 640 * 1024 = 2_684_354_560
+    v = bench.Shape("V4-CSA", 32, 1, 64, 128, 256, 512, 64)
+    assert bench.traffic_bytes(v) == 16_244_736
+    assert bench.flops(v) == 2_684_354_560
+    # s_q 2 doubles both: each query token has its own index list.
+    s2 = bench.Shape("DSA s_q 2", 1, 2, 64, 2048, 64)
+    assert bench.traffic_bytes(s2) == 2 * bench.traffic_bytes(s)
+    assert bench.flops(s2) == 2 * bench.flops(s)
+
+
+def test_record_arithmetic():
+    s = bench.Shape("DSA", 1, 1, 64, 2048, 64)          # 1_335_552 bytes, 268_435_456 FLOP
+    # bytes decide: bytes / 4000 GB/s = 0.333888 us > FLOP / 5000 TFLOP/s = 0.053687 us. At t = 1 us:
+    r = bench.record(s, "mma", 1.0, 1.2, {"copy_gbps": 4000.0, "matmul_tflops": 5000.0})
+    assert r["tflops"] == round(268_435_456 / 1e-6 / 1e12, 2) == 268.44
+    assert r["gbps"] == round(1_335_552 / 1e-6 / 1e9, 1) == 1335.6
+    assert r["roofline"] == round(0.333888 / 1.0, 4) == 0.3339
+    assert (r["us_graph"], r["us_eager"], r["impl"]) == (1.0, 1.2, "mma")
+    assert (r["shape"], r["b"], r["s_q"], r["h_q"], r["topk"], r["extra_topk"]) == ("DSA", 1, 1, 64, 2048, 0)
+    # FLOP decide: FLOP / 1 TFLOP/s = 268.435456 us > bytes / 10000 GB/s = 0.1335552 us; t = 2x that
+    r = bench.record(s, "simt", 536.870912, None, {"copy_gbps": 10000.0, "matmul_tflops": 1.0})
+    assert r["roofline"] == 0.5
+    assert r["us_eager"] is None
+    assert r["tflops"] == 0.5
+    # every field the SPEC's record schema names
+    for k in ("shape", "b", "s_q", "h_q", "topk", "extra_topk", "impl", "us_graph", "us_eager", "tflops", "gbps",
+              "roofline"):
+        assert k in r
+
+
+def test_spec_shapes():
+    got = [(s.name, s.b, s.s_q, s.h_q, s.topk, s.page, s.extra_topk, s.extra_page if s.extra_topk else None)
+           for s in bench.spec_shapes()]
+    want = [("DSA", b, 1, 64, 2048, 64, 0, None) for b in (1, 8, 32, 64, 128)]
+    want += [("DSA s_q 2", 64, 2, 64, 2048, 64, 0, None)]
+    want += [("V4-CSA", b, 1, 64, 128, 256, 512, 64) for b in (1, 32, 128)]
+    want += [("V4-TP8", b, 1, 8, 128, 256, 512, 64) for b in (1, 32, 128)]
+    assert got == want and len(got) == 12
+
+
+def test_peers_are_the_spec_table():
+    peers = bench.PEERS_H200_US
+    assert set(peers) == {"FlashMLA sm90", "SGLang DSv4 Triton", "plain PyTorch"}
+    assert peers["FlashMLA sm90"] is bench.FLASHMLA_H200_US
+    assert peers["SGLang DSv4 Triton"] == {("DSA", 64): 3302, ("V4-CSA", 32): 559}
+    assert peers["plain PyTorch"] == {("DSA", 64): 1173}
+    keys = {(s.name, s.b) for s in bench.spec_shapes()}
+    assert set(bench.FLASHMLA_H200_US) == keys              # FlashMLA at every SPEC shape
+    for table in peers.values():
+        assert set(table) <= keys
+    # at TP8 FlashMLA pads 8 heads to 64: the V4-CSA time
+    for b in (1, 32, 128):
+        assert bench.FLASHMLA_H200_US[("V4-TP8", b)] == bench.FLASHMLA_H200_US[("V4-CSA", b)]
+
+
+@pytest.mark.parametrize("name, slug", [
+    ("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA A100-SXM4-80GB", "a100"),
+    ("NVIDIA GeForce RTX 4090", "rtx-4090"), ("NVIDIA RTX 6000 Ada Generation", "rtx-6000"),
+    ("NVIDIA L40S", "l40s"), ("NVIDIA H200 NVL", "h200"), ("", "gpu")])
+def test_gpu_slug(name, slug):
+    assert bench.gpu_slug(name) == slug
+
+
+def _rec(shape, b, impl, us, s_q=1, h_q=64):
+    return {"shape": shape, "b": b, "s_q": s_q, "h_q": h_q, "impl": impl, "us_graph": us}
+
+
+def test_compare_ratios(tmp_path, capsys):
+    a = {"provenance": {}, "records": [_rec("DSA", 1, "mma", 20.0), _rec("DSA", 32, "mma", 80.0),
+                                       _rec("DSA", 32, "simt", 6000.0), _rec("V4-TP8", 1, "mma", 10.0, h_q=8)]}
+    b = [_rec("DSA", 32, "mma", 84.0), _rec("DSA", 1, "mma", 19.0), _rec("DSA", 32, "simt", 6600.0),
+         _rec("DSA", 128, "mma", 240.0)]
+    rows = bench.compare(a, b)
+    assert [(r["shape"], r["b"], r["impl"]) for r in rows] == [("DSA", 1, "mma"), ("DSA", 32, "mma"),
+                                                               ("DSA", 32, "simt")]   # A's order, both only
+    assert [r["ratio"] for r in rows] == [0.95, 1.05, 1.1]                          # B / A
+    assert [r["within"] for r in rows] == [True, True, False]                       # tol 5%
+    assert [r["within"] for r in bench.compare(a, b, tol=0.2)] == [True] * 3
+    assert rows[0]["us_a"] == 20.0 and rows[0]["us_b"] == 19.0
+    # from files, and through the command line (exit 1: one case outside 5%)
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps({"records": b}))
+    assert bench.compare(str(pa), pb) == rows
+    assert bench.main(["--compare", str(pa), str(pb)]) == 1
+    out = capsys.readouterr().out
+    assert "3 cases in both" in out and "1 outside 5%" in out
+    assert bench.main(["--compare", str(pa), str(pa)]) == 0
+    assert bench.main(["--compare", str(pa), str(pb), "--tol", "0.2"]) == 0
+    assert bench.main(["--compare", str(pa), str(tmp_path / "missing.json")]) == 2
+
+
+def test_compare_the_h200_record_with_itself():
+    rec = ROOT / "results" / "h200" / "bench.json"
+    rows = bench.compare(rec, rec)
+    data = json.loads(rec.read_text())
+    assert len(rows) == len(data["records"])
+    assert all(r["ratio"] == 1.0 and r["within"] for r in rows)
+
+
+def test_h200_record_is_consistent():
+    """The committed record: SPEC schema, provenance, and derived numbers that match its times."""
+    data = json.loads((ROOT / "results" / "h200" / "bench.json").read_text())
+    prov = data["provenance"]
+    for k in ("gpu", "sm_count", "driver", "torch", "triton", "commit", "date", "ceilings"):
+        assert k in prov, k
+    assert bench.gpu_slug(prov["gpu"]) == "h200"
+    shapes = {(s.name, s.b): s for s in bench.spec_shapes()}
+    for r in data["records"]:
+        s = shapes[(r["shape"], r["b"])]
+        ceil = prov.get("runs", {}).get(r.get("run"), prov)["ceilings"]
+        again = bench.record(s, r["impl"], r["us_graph"], r["us_eager"], ceil)
+        for k in ("tflops", "gbps", "roofline"):
+            assert math.isclose(again[k], r[k], rel_tol=0.01, abs_tol=0.01), (r, k, again[k])
+
+
+def test_table_is_returned_not_printed(capsys):
+    data = json.loads((ROOT / "results" / "h200" / "bench.json").read_text())
+    text = bench.table(data["records"][:2])
+    assert capsys.readouterr().out == ""
+    assert "22.0" in text and "FlashMLA" in text
