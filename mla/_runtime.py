@@ -14,6 +14,8 @@ Two consequences of the interpreter, both from SPEC "The kernels":
 from __future__ import annotations
 
 import os
+import sys
+import warnings
 
 import torch
 
@@ -22,10 +24,13 @@ HAS_CUDA: bool = torch.cuda.is_available()
 
 _user_set = "TRITON_INTERPRET" in os.environ
 if not HAS_CUDA and not _user_set:
-    # Triton's own @jit helpers (tl.cdiv and friends) are built when triton.language is first
-    # imported: if that happened before this line they are compiled-mode functions that an
-    # interpreted kernel cannot call. mla's kernels use none of them, so importing triton first
-    # is fine for mla; for your own kernels, import mla (or set TRITON_INTERPRET) first.
+    if "triton.language" in sys.modules:
+        # Triton's library helpers written with @jit (tl.zeros, tl.cdiv, ...) were built when
+        # triton.language was imported, in compiled mode: an interpreted kernel cannot call them.
+        warnings.warn("mla: triton was imported before mla on a machine with no CUDA GPU; the "
+                      "interpreter is turned on now, but Triton's @jit library functions were already "
+                      "built for compiled mode and the kernels will fail. Import mla first, or set "
+                      "TRITON_INTERPRET=1 before importing triton.", RuntimeWarning, stacklevel=3)
     os.environ["TRITON_INTERPRET"] = "1"
     print("mla: no CUDA GPU found; running the Triton kernels on the CPU interpreter "
           "(TRITON_INTERPRET=1). Expect it to be slow; use small shapes.")

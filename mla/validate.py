@@ -662,8 +662,14 @@ def summary(rows) -> dict:
     crashes, the worst errors over all rows, the NaN-leak checks, per impl, the failed rows."""
     rows = _rows(rows)
 
+    def as_float(x):
+        try:
+            return float(x)          # rows that went through JSON hold "inf" / "nan" as strings
+        except (TypeError, ValueError):
+            return None
+
     def worst(col, sub=rows):
-        v = [r[col] for r in sub if r.get(col) is not None]
+        v = [f for f in (as_float(r.get(col)) for r in sub) if f is not None and f == f]
         return _num(max(v)) if v else None
 
     per_impl = {}

@@ -28,8 +28,9 @@ def generic(arch: int = 90) -> dict:
     bn = 64
     # sm_100 (Blackwell): with Triton 3.9 a BLOCK_H 64 program's two [64, 256] fp32 accumulators
     # plus S do not fit tensor memory and the kernel compiles to a lone `trap` (mla.aot reports
-    # it as not usable); BLOCK_H 32 compiles to a real kernel.
-    bh = 32 if 100 <= arch < 120 else 64
+    # it as not usable); BLOCK_H 32 compiles to a real kernel. The 99 KB parts (sm_86/89/120):
+    # Triton 3.6 gives BLOCK_H 64 131072 bytes of shared memory there, BLOCK_H 32 98304.
+    bh = 64 if arch in (80, 90) else 32
     return {16: MMAConfig(block_h=16, block_n=64, num_warps=8), 32: MMAConfig(block_h=32, block_n=bn, num_warps=8),
             64: MMAConfig(block_h=bh, block_n=bn), 128: MMAConfig(block_h=bh, block_n=bn)}
 
