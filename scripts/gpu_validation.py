@@ -102,35 +102,11 @@ def _split(specs, workers):
 
 def graph_replay_check():
     """The MMA call captured once in a CUDA graph, replayed over new index sets, each checked."""
-    import torch
-
-    import mla
     import mla.validate as mv
 
     case = mv.make_case(b=4, s_q=1, h_q=64, topk=512, page=64, num_blocks=256, extra_topk=64, extra_page=64,
                         device="cuda", seed=11, invalid_frac=0.05)
-    idx = case["indices"].clone()
-    args = dict(case, indices=idx)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        mla.sparse_decode(**args, impl="mma")
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out, lse = mla.sparse_decode(**args, impl="mma")
-    n = case["k_cache"].shape[0] * case["k_cache"].shape[1]
-    res = []
-    for seed in range(3):
-        new = torch.randint(0, n, idx.shape, dtype=torch.int32, device="cuda",
-                            generator=torch.Generator("cuda").manual_seed(seed))
-        idx.copy_(new)
-        g.replay()
-        torch.cuda.synchronize()
-        ref = mla.sparse_decode_reference(**dict(case, indices=new), out_dtype=torch.float64)
-        co, cl = mv.check_against_reference(out, lse, *ref)
-        res.append({"replay": seed, "ok": co.ok and cl.ok, "out": str(co), "lse": str(cl)})
-    return {"ok": all(r["ok"] for r in res), "replays": res}
+    return mv.graph_replay_check(case)
 
 
 def _safe_summary(rows):
