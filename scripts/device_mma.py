@@ -12,7 +12,7 @@ import mla
 from mla import bench, configs
 from mla.bench import Case, Shape
 from mla.kernels.mma import MMAConfig, mma_sparse_decode
-from mla.validate import check_against_reference
+from mla.validate import check_against_reference, poison_allocator, poison_unreferenced
 
 OUT = pathlib.Path(os.environ.get("OUT", "out"))
 OUT.mkdir(parents=True, exist_ok=True)
@@ -25,28 +25,6 @@ def say(*a):
     print(s, flush=True)
     log.write(s + "\n")
     log.flush()
-
-
-def poison(nbytes):
-    t = torch.full((max(1, nbytes // 4),), float("nan"), device=dev)
-    del t
-
-
-def nan_unreferenced(cache, used):
-    """Fill every token not in `used` (and the stride padding) with NaN bytes."""
-    nb, P = cache.shape[:2]
-    ps = cache.stride(0)
-    flat = torch.as_strided(cache.view(torch.uint8), (nb, ps), (ps, 1))
-    keep = torch.zeros(nb * P, dtype=torch.bool, device=dev)
-    keep[used[(used >= 0) & (used < nb * P)].long()] = True
-    keep = keep.view(nb, P)
-    data = flat[:, : P * 576].view(nb, P, 576)
-    sc = flat[:, P * 576: P * 584].view(nb, P, 8)
-    data.masked_fill_(~keep[..., None], 0x7F)     # fp8 NaN in nope; bf16 0x7F7F (finite, huge) in rope
-    data[..., 448:].masked_fill_(~keep[..., None], 0xFF)   # bf16 NaN 0xFFFF in rope
-    sc.masked_fill_(~keep[..., None], 0xFF)               # UE8M0 NaN
-    if ps > P * 584:
-        flat[:, P * 584:] = 0x7F
 
 
 IMPLS = {
@@ -92,12 +70,12 @@ def correctness_case(name, b, s_q, h_q, topk, P, etopk=0, eP=64, nb=None, lens=F
             eused = torch.where(pos.view(1, 1, -1) < etl.view(-1, 1, 1), eidx, -1)
         else:
             eused = eidx
-        nan_unreferenced(ec, eused)
-    nan_unreferenced(cache, used[0])
+        poison_unreferenced(ec, eused)
+    poison_unreferenced(cache, used[0])
     ref_o, ref_l = mla.sparse_decode_reference(q, cache, idx, out_dtype=torch.float64, **kw)
     res = {}
     for impl, fn in IMPLS.items():
-        poison(b * s_q * h_q * 512 * 4 * 4)
+        poison_allocator(b * s_q * h_q * 512 * 4 * 4, dev)
         o, l = fn(q, cache, idx, **kw)
         torch.cuda.synchronize()
         co, cl = check_against_reference(o, l, ref_o, ref_l)
