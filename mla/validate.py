@@ -882,15 +882,19 @@ __all__ = ["OUT_ABS", "OUT_REL", "LSE_ABS", "LSE_REL", "Closeness", "compare", "
            "ROW_COLUMNS"]
 
 
-def graph_replay_check(case: dict, replays: int = 3, impl: str = "mma") -> dict:
-    """Capture ``mla.sparse_decode(**case, impl=impl)`` in a CUDA graph, then replay it over new
-    random indices copied into the captured index tensor, checking every replay against the
-    reference. Passing proves the call has no host sync and reads its indices at replay time."""
+def graph_replay_check(case: dict, replays: int = 3, impl: str = "mma", invalid_frac: float = 0.05) -> dict:
+    """Capture ``mla.sparse_decode(**case, impl=impl)`` in a CUDA graph, then, before each replay,
+    write fresh random latents into the captured main cache and new random indices (with
+    ``invalid_frac`` invalid ones) into the captured index tensor, and check the replay against
+    the reference. Passing proves the call has no host sync and reads its cache and indices at
+    replay time. Every replay's reference must be finite everywhere: a NaN-poisoned cache
+    would make NaN agree with NaN and the check vacuous, so such a replay counts as failed."""
     from .api import sparse_decode
+    from .layout import D_QK, quantize_kv
     from .reference import sparse_decode_reference
 
-    idx = case["indices"].clone()
-    args = dict(case, indices=idx)
+    idx, kc = case["indices"].clone(), case["k_cache"].clone()
+    args = dict(case, indices=idx, k_cache=kc)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -899,15 +903,22 @@ def graph_replay_check(case: dict, replays: int = 3, impl: str = "mma") -> dict:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, lse = sparse_decode(**args, impl=impl)
-    n = case["k_cache"].shape[0] * case["k_cache"].shape[1]
+    nblk, page = kc.shape[0], kc.shape[1]
+    kinds = torch.tensor(invalid_values(nblk * page), dtype=torch.int32)
     res = []
     for seed in range(replays):
-        new = torch.randint(0, n, idx.shape, dtype=torch.int32, device=idx.device,
-                            generator=torch.Generator(idx.device).manual_seed(seed))
+        g = torch.Generator(device="cpu").manual_seed(1000 + seed)
+        kc.copy_(quantize_kv(torch.randn(nblk, page, D_QK, generator=g).bfloat16()))
+        new = torch.randint(0, nblk * page, idx.shape, dtype=torch.int32, generator=g)
+        bad = torch.rand(idx.shape, generator=g) < invalid_frac
+        new = torch.where(bad, kinds[torch.randint(0, len(kinds), idx.shape, generator=g)], new)
         idx.copy_(new)
         graph.replay()
         torch.cuda.synchronize()
-        ref = sparse_decode_reference(**dict(case, indices=new), out_dtype=torch.float64)
+        ref = sparse_decode_reference(**dict(args, indices=idx.clone(), k_cache=kc.clone()),
+                                      out_dtype=torch.float64)
+        finite = bool(torch.isfinite(ref[0]).all())
         co, cl = check_against_reference(out, lse, *ref)
-        res.append({"replay": seed, "ok": co.ok and cl.ok, "out": str(co), "lse": str(cl)})
+        res.append({"replay": seed, "ok": co.ok and cl.ok and finite, "reference_finite": finite,
+                    "invalid_indices": int(bad.sum()), "out": str(co), "lse": str(cl)})
     return {"ok": all(r["ok"] for r in res), "replays": res}
