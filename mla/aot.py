@@ -122,7 +122,7 @@ def _worker():
 
 
 def mma_variant(arch: int, block_h=64, block_n=64, num_warps=8, num_stages=1, has_extra=True, partial=True,
-                tokens_as_m=False, prefetch=False, p_split=False, dot="float16",
+                tokens_as_m=False, prefetch=False, p_split=False, dot="float16", dv_halves=1,
                 asm: tuple = ()) -> dict:
     """The decode kernel's variant for ``arch`` with a config (sink and lengths on)."""
     return {"kernel": "mma_decode_kernel", "arch": arch, "num_warps": num_warps, "num_stages": num_stages,
@@ -131,14 +131,15 @@ def mma_variant(arch: int, block_h=64, block_n=64, num_warps=8, num_stages=1, ha
                            "PARTIAL": partial, "BLOCK_H": block_h, "BLOCK_N": block_n,
                            "FP8_NATIVE": arch >= 89, "DOT": dot,
                            "TOKENS_AS_M": tokens_as_m, "PREFETCH": prefetch,
-                           "P_SPLIT": p_split}}
+                           "P_SPLIT": p_split, "DV_HALVES": dv_halves}}
 
 
 def config_variant(arch: int, cfg, asm: tuple = ()) -> dict:
     """The decode kernel's variant for ``arch`` under an :class:`~mla.kernels.mma.MMAConfig`."""
     return mma_variant(arch, block_h=cfg.block_h, block_n=cfg.block_n, num_warps=cfg.num_warps,
                        num_stages=cfg.num_stages, tokens_as_m=cfg.tokens_as_m, prefetch=cfg.prefetch,
-                       p_split=cfg.p_split, dot={"fp16": "float16", "bf16": "bfloat16"}[cfg.dot], asm=asm)
+                       p_split=cfg.p_split, dot={"fp16": "float16", "bf16": "bfloat16"}[cfg.dot],
+                       dv_halves=cfg.dv_halves, asm=asm)
 
 
 def shipped_variants(arch: int) -> list[dict]:

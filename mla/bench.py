@@ -174,10 +174,13 @@ def time_eager(case: Case, fn) -> float:
                                    warmup=25, rep=100, return_mode="median") * 1e3
 
 
-def ceilings(device=None) -> dict:
+def ceilings(device="cuda") -> dict:
     """Measured on this card: device-to-device copy (bytes read + written) and bf16 matmul."""
     import triton
 
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device: the ceilings are measured on a CUDA device, got {device}")
     x = torch.empty(int(2 ** 30), dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
     t = triton.testing.do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median") * 1e-3

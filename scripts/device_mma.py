@@ -110,9 +110,36 @@ def graph_test():
     return ok
 
 
+def _candidates():
+    """Configs to sweep: $SWEEP (JSON {"h64": [MMAConfig kwargs...], "h16": [...]}) or the defaults."""
+    spec = json.loads(os.environ.get("SWEEP", "null") or "null")
+    if spec is None:
+        return ([MMAConfig(), MMAConfig(num_stages=2), MMAConfig(block_n=32), MMAConfig(dot="bf16")],
+                [MMAConfig(16, 64, 8), MMAConfig(16, 64, 4), MMAConfig(16, 32, 8), MMAConfig(16, 64, 8, num_stages=2)])
+    return [MMAConfig(**k) for k in spec["h64"]], [MMAConfig(**k) for k in spec["h16"]]
+
+
+def correct_configs(results):
+    """Every swept config through mla.validate on the quick cases and the first odd cases."""
+    from mla import validate
+
+    h64, h16 = _candidates()
+    fns = {}
+    for cfg in h64 + h16:
+        fns[str(cfg)] = lambda *a, _c=cfg, **k: mma_sparse_decode(*a, **k, config=_c)
+    cases = validate.quick_cases() + validate.odd_cases()[:int(os.environ.get("N_ODD", "10"))]
+    rep = validate.validate(fns, cases, progress=False)
+    s = rep.summary
+    results["config_validation"] = s
+    say(f"config validation: {s['rows']} rows, {s['failures']} failures, crashes {s['crashes']}, "
+        f"worst out excess {s['worst_out_excess']:.2f}")
+    for f in s["failed"][:20]:
+        say("  FAILED", f)
+    return s["failures"] == 0 and s["crashes"] == 0
+
+
 def sweep(ceil, results):
-    h64 = [MMAConfig(), MMAConfig(num_stages=2), MMAConfig(block_n=32), MMAConfig(dot="bf16")]
-    h16 = [MMAConfig(16, 64, 8), MMAConfig(16, 64, 4), MMAConfig(16, 32, 8), MMAConfig(16, 64, 8, num_stages=2)]
+    h64, h16 = _candidates()
     plan = [(Shape("DSA", 32, 1, 64, 2048, 64), h64), (Shape("DSA", 128, 1, 64, 2048, 64), h64),
             (Shape("DSA", 1, 1, 64, 2048, 64), h64), (Shape("V4-CSA", 128, 1, 64, 128, 256, 512, 64), h64),
             (Shape("V4-CSA", 1, 1, 64, 128, 256, 512, 64), h64),
@@ -121,7 +148,8 @@ def sweep(ceil, results):
     score = {}
     for s, cfgs in plan:
         case = Case(s, dev, pool_bytes=2e9, n_sets=16)
-        for i, cfg in enumerate(cfgs + [dataclasses.replace(cfgs[0], ablate=1)]):
+        extra = [] if os.environ.get("NO_ABLATE") else [dataclasses.replace(cfgs[0], ablate=1)]
+        for i, cfg in enumerate(cfgs + extra):
             c2 = cfg.for_heads(s.h_q)
             try:
                 us = bench.time_graph(case, lambda *a, _c=c2, **k: mma_sparse_decode(*a, **k, config=_c))
@@ -175,6 +203,9 @@ def main():
         configs.table_for.cache_clear()
     results["provenance"] = bench.provenance(ceil)
     (OUT / "device_mma.json").write_text(json.dumps(results, indent=1))
+    if "correct_cfg" in phases:
+        results["config_validation_ok"] = correct_configs(results)
+        (OUT / "device_mma.json").write_text(json.dumps(results, indent=1))
     if "bench" in phases:
         res = bench.run(out_dir=str(OUT), progress=False, impls=tuple(os.environ.get("IMPLS", "mma").split(",")))
         say(bench.table(res["records"]))

@@ -39,6 +39,13 @@ def test_run_refuses_under_the_interpreter(monkeypatch, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_ceilings_refuse_a_cpu_device():
+    # a CPU copy and matmul measured as "the card's ceilings" would put every kernel above the
+    # roofline; the default device is the GPU and anything else is an error
+    with pytest.raises(ValueError, match="CUDA device"):
+        bench.ceilings("cpu")
+
+
 def test_cli_help():
     p = _cli("--help")
     assert p.returncode == 0, p.stderr

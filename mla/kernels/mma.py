@@ -29,7 +29,8 @@ LOG2E = 1.4426950408889634
 def _mma_cache_pass(m_i, l_i, acc0, acc1, q0, q1, cache_ptr, page_stride, P, n_tokens, idx_row_ptr, n,
                     tile_lo, tile_hi, sm_scale_log2,
                     BLOCK_N: tl.constexpr, FP8_NATIVE: tl.constexpr, DOT: tl.constexpr,
-                    PREFETCH: tl.constexpr = False, P_SPLIT: tl.constexpr = False, ABLATE: tl.constexpr = 0):
+                    PREFETCH: tl.constexpr = False, P_SPLIT: tl.constexpr = False, ABLATE: tl.constexpr = 0,
+                    DV_HALVES: tl.constexpr = 1, half=0):
     """Fold token tiles ``[tile_lo, tile_hi)`` of one cache (first ``n`` positions valid) into
     the running state of BLOCK_H heads.
 
@@ -51,7 +52,8 @@ def _mma_cache_pass(m_i, l_i, acc0, acc1, q0, q1, cache_ptr, page_stride, P, n_t
             v2, row2, srow2 = token_rows(idx_row_ptr, (ti + 2) * BLOCK_N + ar, n_lim, n_tokens, P, page_stride)
             k0 = tl.reshape(dequant(a0, s0, r0, 0, 4, FP8_NATIVE, DOT), [BLOCK_N, 256])
             k1 = tl.reshape(dequant(a1, s1, r1, 4, 4, FP8_NATIVE, DOT), [BLOCK_N, 256])
-            m_i, l_i, acc0, acc1 = _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, valid, sm_scale_log2, DOT, P_SPLIT)
+            m_i, l_i, acc0, acc1 = _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, valid, sm_scale_log2, DOT, P_SPLIT,
+                                                DV_HALVES, half)
             a0, s0, r0, a1, s1, r1, valid = b0, t0, u0, b1, t1, u1, v_nx
             v_nx, row_nx, srow_nx = v2, row2, srow2
     else:
@@ -62,14 +64,19 @@ def _mma_cache_pass(m_i, l_i, acc0, acc1, q0, q1, cache_ptr, page_stride, P, n_t
                 srow = P * 576 + (ar % P).to(tl.int64) * 8
             k0 = tl.reshape(load_token_tile(cache_ptr, row, srow, valid, FP8_NATIVE, DOT, 0, 4), [BLOCK_N, 256])
             k1 = tl.reshape(load_token_tile(cache_ptr, row, srow, valid, FP8_NATIVE, DOT, 4, 4), [BLOCK_N, 256])
-            m_i, l_i, acc0, acc1 = _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, valid, sm_scale_log2, DOT, P_SPLIT)
+            m_i, l_i, acc0, acc1 = _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, valid, sm_scale_log2, DOT, P_SPLIT,
+                                                DV_HALVES, half)
     return m_i, l_i, acc0, acc1
 
 
 @triton.jit
 def _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, valid, sm_scale_log2, DOT: tl.constexpr,
-                 P_SPLIT: tl.constexpr):
-    """One tile of the online softmax with heads as M: S = Q.K^T, O = O*alpha + P.V."""
+                 P_SPLIT: tl.constexpr, DV_HALVES: tl.constexpr = 1, half=0):
+    """One tile of the online softmax with heads as M: S = Q.K^T, O = O*alpha + P.V.
+
+    With DV_HALVES == 2 this program owns output columns ``[256*half, 256*half + 256)`` only:
+    it still needs all 512 columns for S, but P.V runs on one half into ``acc0`` (``acc1`` is
+    unused), so a program is one warpgroup's worth of accumulator."""
     s = tl.dot(q0, tl.trans(k0))
     s = tl.dot(q1, tl.trans(k1), s)
     s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))        # [BLOCK_H, BLOCK_N]
@@ -79,13 +86,19 @@ def _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, valid, sm_scale_log2, DOT
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     pd = p.to(DOT)
-    acc0 = tl.dot(pd, k0, acc0 * alpha[:, None])
-    acc1 = tl.dot(pd, k1, acc1 * alpha[:, None])
-    if P_SPLIT:
-        # P = hi + lo in two bf16 terms: the P.V rounding drops from 2**-8 to about 2**-16 relative.
-        plo = (p - pd.to(tl.float32)).to(DOT)
-        acc0 = tl.dot(plo, k0, acc0)
-        acc1 = tl.dot(plo, k1, acc1)
+    if DV_HALVES == 2:
+        if half == 0:
+            acc0 = tl.dot(pd, k0, acc0 * alpha[:, None])
+        else:
+            acc0 = tl.dot(pd, k1, acc0 * alpha[:, None])
+    else:
+        acc0 = tl.dot(pd, k0, acc0 * alpha[:, None])
+        acc1 = tl.dot(pd, k1, acc1 * alpha[:, None])
+        if P_SPLIT:
+            # P = hi + lo in two bf16 terms: the P.V rounding drops from 2**-8 to about 2**-16 relative.
+            plo = (p - pd.to(tl.float32)).to(DOT)
+            acc0 = tl.dot(plo, k0, acc0)
+            acc1 = tl.dot(plo, k1, acc1)
     return m_new, l_i, acc0, acc1
 
 
@@ -131,8 +144,13 @@ def mma_decode_kernel(
     PARTIAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8_NATIVE: tl.constexpr, DOT: tl.constexpr, TOKENS_AS_M: tl.constexpr = False,
     PREFETCH: tl.constexpr = False, P_SPLIT: tl.constexpr = False, ABLATE: tl.constexpr = 0,
+    DV_HALVES: tl.constexpr = 1,
 ):
     hb = tl.program_id(0)
+    half = 0
+    if DV_HALVES == 2:                # program (head block, output half): columns 256*half + [0, 256)
+        half = hb % 2
+        hb = hb // 2
     split = tl.program_id(1)
     tok = tl.program_id(2)            # b * s_q + s
     b = tok // s_q
@@ -178,38 +196,50 @@ def mma_decode_kernel(
         acc1 = tl.trans(acc1t)
     else:
         acc0 = tl.zeros([BLOCK_H, 256], tl.float32)
-        acc1 = tl.zeros([BLOCK_H, 256], tl.float32)
+        if DV_HALVES == 2:
+            acc1 = tl.zeros([1, 1], tl.float32)        # unused: this program's half is acc0
+        else:
+            acc1 = tl.zeros([BLOCK_H, 256], tl.float32)
         m_i, l_i, acc0, acc1 = _mma_cache_pass(
             m_i, l_i, acc0, acc1, q0, q1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
-            lo, tl.minimum(hi, tiles1), sm_scale_log2, BLOCK_N, FP8_NATIVE, DOT, PREFETCH, P_SPLIT, ABLATE)
+            lo, tl.minimum(hi, tiles1), sm_scale_log2, BLOCK_N, FP8_NATIVE, DOT, PREFETCH, P_SPLIT, ABLATE,
+            DV_HALVES, half)
         if HAS_EXTRA:
             m_i, l_i, acc0, acc1 = _mma_cache_pass(
                 m_i, l_i, acc0, acc1, q0, q1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2,
-                tl.maximum(lo, tiles1) - tiles1, hi - tiles1, sm_scale_log2, BLOCK_N, FP8_NATIVE, DOT, PREFETCH, P_SPLIT, ABLATE)
+                tl.maximum(lo, tiles1) - tiles1, hi - tiles1, sm_scale_log2, BLOCK_N, FP8_NATIVE, DOT, PREFETCH, P_SPLIT,
+                ABLATE, DV_HALVES, half)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     lse2 = m_i + tl.log2(l_safe)                                             # log2 units
     o0 = acc0 / l_safe[:, None]
-    o1 = acc1 / l_safe[:, None]
+    lmask = hmask
+    if DV_HALVES == 2:
+        lmask = hmask & ((heads * 0 + half) == 0)   # both halves hold the same lse; one writes it
     if PARTIAL:
         prow = (tok.to(tl.int64) * num_splits + split) * h_q + heads
-        tl.store(plse_ptr + prow, tl.where(empty, float("-inf"), lse2), mask=hmask)
-        tl.store(po_ptr + prow[:, None] * 512 + c[None, :], o0, mask=hmask[:, None])
-        tl.store(po_ptr + prow[:, None] * 512 + 256 + c[None, :], o1, mask=hmask[:, None])
+        tl.store(plse_ptr + prow, tl.where(empty, float("-inf"), lse2), mask=lmask)
+        tl.store(po_ptr + prow[:, None] * 512 + half * 256 + c[None, :], o0, mask=hmask[:, None])
+        if DV_HALVES == 1:
+            o1 = acc1 / l_safe[:, None]
+            tl.store(po_ptr + prow[:, None] * 512 + 256 + c[None, :], o1, mask=hmask[:, None])
     else:
         lse = lse2 * 0.6931471805599453
         if HAS_SINK:
             sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
             f = 1.0 / (1.0 + tl.exp(sink - tl.where(empty, 0.0, lse)))
             o0 = o0 * f[:, None]
-            o1 = o1 * f[:, None]
         o0 = tl.where(empty[:, None], 0.0, o0)
-        o1 = tl.where(empty[:, None], 0.0, o1)
         orow = out_ptr + (tok.to(tl.int64) * h_q + heads) * 512
-        tl.store(orow[:, None] + c[None, :], o0.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
-        tl.store(orow[:, None] + 256 + c[None, :], o1.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
-        tl.store(lse_ptr + (b * h_q + heads) * s_q + s_idx, tl.where(empty, float("inf"), lse), mask=hmask)
+        tl.store(orow[:, None] + half * 256 + c[None, :], o0.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+        if DV_HALVES == 1:
+            o1 = acc1 / l_safe[:, None]
+            if HAS_SINK:
+                o1 = o1 * f[:, None]
+            o1 = tl.where(empty[:, None], 0.0, o1)
+            tl.store(orow[:, None] + 256 + c[None, :], o1.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+        tl.store(lse_ptr + (b * h_q + heads) * s_q + s_idx, tl.where(empty, float("inf"), lse), mask=lmask)
 
 
 @triton.jit
@@ -264,6 +294,7 @@ class MMAConfig:
     dot: str = "fp16"          # tensor-core operand type: "fp16" (P to 2**-11) or "bf16" (P to 2**-8)
     p_split: bool = False      # bf16 only: P.V with P as two bf16 terms (hi + lo), 2x the P.V work
     ablate: int = 0            # timing ablations only (1: no gather); results are wrong
+    dv_halves: int = 1         # 2: two programs per head block, each owning 256 output columns
 
     def for_heads(self, h_q: int) -> "MMAConfig":
         """BLOCK_H never exceeds h_q rounded up to a power of two, and never drops below 16
@@ -300,7 +331,7 @@ def num_splits(b: int, s_q: int, h_q: int, topk_total: int, cfg: MMAConfig, sms:
     """Split-K count from the shapes alone (no host sync). Models the time as (waves of programs)
     x (token tiles per program) and takes the cheapest split, preferring fewer splits on a tie
     (each split adds partial-output traffic and, past one, the combine kernel)."""
-    progs = b * s_q * triton.cdiv(h_q, cfg.block_h)
+    progs = b * s_q * triton.cdiv(h_q, cfg.block_h) * cfg.dv_halves
     tiles = max(1, triton.cdiv(topk_total, cfg.block_n))
     slots = max(1, sms * cfg.ctas_per_sm)
     best, best_cost = 1, None
@@ -339,7 +370,10 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
     else:
         po = plse = lse
     sink = attn_sink if attn_sink is not None else lse
-    mma_decode_kernel[(n_hb, ns, b * s_q)](
+    if cfg.dv_halves not in (1, 2) or (cfg.dv_halves == 2 and (cfg.tokens_as_m or cfg.p_split)):
+        raise ValueError(f"config: dv_halves must be 1 or 2, and 2 does not combine with tokens_as_m or "
+                         f"p_split; got {cfg}")
+    mma_decode_kernel[(n_hb * cfg.dv_halves, ns, b * s_q)](
         q, out, lse, sink, po, plse,
         kc, kst, kp, kn, indices, topk, topk_length if topk_length is not None else indices,
         ec, est, ep, en, eidx, etopk, extra_topk_length if extra_topk_length is not None else indices,
@@ -349,7 +383,8 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, FP8_NATIVE=fp8_native(dev) if cfg.fp8 == "auto" else cfg.fp8 == "native",
         DOT=_runtime.dot_dtype() if _runtime.INTERPRET else _DOT_TYPES[cfg.dot],
         TOKENS_AS_M=cfg.tokens_as_m, PREFETCH=cfg.prefetch,
-        P_SPLIT=cfg.p_split and not _runtime.INTERPRET, ABLATE=cfg.ablate, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        P_SPLIT=cfg.p_split and not _runtime.INTERPRET, ABLATE=cfg.ablate, DV_HALVES=cfg.dv_halves,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if ns > 1:
         bhc = 1
