@@ -142,15 +142,27 @@ def correct_configs(results):
 
 def sweep(ceil, results):
     h64, h16 = _candidates()
-    plan = [(Shape("DSA", 32, 1, 64, 2048, 64), h64), (Shape("DSA", 128, 1, 64, 2048, 64), h64),
-            (Shape("DSA", 1, 1, 64, 2048, 64), h64), (Shape("V4-CSA", 128, 1, 64, 128, 256, 512, 64), h64),
-            (Shape("V4-CSA", 1, 1, 64, 128, 256, 512, 64), h64),
-            (Shape("V4-TP8", 1, 1, 8, 128, 256, 512, 64), h16), (Shape("V4-TP8", 32, 1, 8, 128, 256, 512, 64), h16),
-            (Shape("V4-TP8", 128, 1, 8, 128, 256, 512, 64), h16)]
+    if os.environ.get("PLAN") == "small":
+        dsa = [Shape("DSA", b, 1, 64, 2048, 64) for b in (1, 2, 4, 8)]
+        csa = [Shape("V4-CSA", b, 1, 64, 128, 256, 512, 64) for b in (1, 2, 4, 8)]
+        tp8 = [Shape("V4-TP8", b, 1, 8, 128, 256, 512, 64) for b in (1, 4)]
+        plan = [(s, h64) for s in dsa + csa] + [(s, h16) for s in tp8]
+    else:
+        plan = [(Shape("DSA", 32, 1, 64, 2048, 64), h64), (Shape("DSA", 128, 1, 64, 2048, 64), h64),
+                (Shape("DSA", 1, 1, 64, 2048, 64), h64), (Shape("V4-CSA", 128, 1, 64, 128, 256, 512, 64), h64),
+                (Shape("V4-CSA", 1, 1, 64, 128, 256, 512, 64), h64),
+                (Shape("V4-TP8", 1, 1, 8, 128, 256, 512, 64), h16), (Shape("V4-TP8", 32, 1, 8, 128, 256, 512, 64), h16),
+                (Shape("V4-TP8", 128, 1, 8, 128, 256, 512, 64), h16)]
     score = {}
     for s, cfgs in plan:
         case = Case(s, dev, pool_bytes=2e9, n_sets=16)
         extra = [] if os.environ.get("NO_ABLATE") else [dataclasses.replace(cfgs[0], ablate=1)]
+        if os.environ.get("AUTO"):
+            us = bench.time_graph(case, lambda *a, **k: mla.sparse_decode(*a, **k, impl="mma"))
+            rec = bench.record(s, "mma", us, None, ceil)
+            rec["config"] = "auto (mla.sparse_decode default)"
+            results["sweep"].append(rec)
+            say(f"{s.name:7s} b{s.b:<4d} {us:8.1f} us roof {rec['roofline']:.2f} auto")
         for i, cfg in enumerate(cfgs + extra):
             c2 = cfg.for_heads(s.h_q)
             try:

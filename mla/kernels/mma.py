@@ -342,6 +342,20 @@ def num_splits(b: int, s_q: int, h_q: int, topk_total: int, cfg: MMAConfig, sms:
     return best
 
 
+def fill_small_grid(cfg: MMAConfig, b: int, s_q: int, h_q: int, topk_total: int, sms: int) -> MMAConfig:
+    """The default config, adjusted for a grid too small to fill the GPU: when even one token
+    tile per program gives fewer than half as many programs as SMs, and the head block is 64,
+    use two programs per head block (``dv_halves=2``, one warpgroup each). Each repeats S = Q.K^T
+    but owns half of P.V, so twice as many SMs work on the same query. At larger grids the
+    repeated Q.K^T and the 4-warp programs cost more than they gain (results/h200/mma_versions.json)."""
+    if cfg.dv_halves != 1 or cfg.block_h != 64 or cfg.tokens_as_m or cfg.p_split:
+        return cfg
+    programs = b * s_q * triton.cdiv(h_q, cfg.block_h) * max(1, triton.cdiv(topk_total, cfg.block_n))
+    if 2 * programs > sms:
+        return cfg
+    return dataclasses.replace(cfg, dv_halves=2, num_warps=4, num_stages=1)
+
+
 def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, topk_length=None,
                       extra_k_cache=None, extra_indices=None, extra_topk_length=None,
                       config: MMAConfig | None = None, splits: int | None = None):
@@ -349,6 +363,9 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
     b, s_q, h_q, _ = q.shape
     dev = q.device
     cfg = (config or default_config(h_q, dev)).for_heads(h_q)
+    topk_total = indices.shape[-1] + (extra_indices.shape[-1] if extra_k_cache is not None else 0)
+    if config is None and not _runtime.INTERPRET:
+        cfg = fill_small_grid(cfg, b, s_q, h_q, topk_total, sm_count(dev))
     scale = D_QK ** -0.5 if softmax_scale is None else float(softmax_scale)
     q = q.contiguous()
     indices = indices.contiguous()
