@@ -126,7 +126,7 @@ def correct_configs(results):
     h64, h16 = _candidates()
     fns = {}
     for cfg in h64 + h16:
-        if os.environ.get("VALIDATE_NEW_ONLY") and cfg.dv_halves == 1:
+        if os.environ.get("VALIDATE_NEW_ONLY") and cfg.dv_halves == 1 and not cfg.partial_fp16:
             continue
         fns[str(cfg)] = lambda *a, _c=cfg, **k: mma_sparse_decode(*a, **k, config=_c)
     cases = validate.quick_cases() + validate.odd_cases()[:int(os.environ.get("N_ODD", "10"))]
@@ -147,6 +147,9 @@ def sweep(ceil, results):
         csa = [Shape("V4-CSA", b, 1, 64, 128, 256, 512, 64) for b in (1, 2, 4, 8)]
         tp8 = [Shape("V4-TP8", b, 1, 8, 128, 256, 512, 64) for b in (1, 4)]
         plan = [(s, h64) for s in dsa + csa] + [(s, h16) for s in tp8]
+    elif os.environ.get("PLAN") == "mid":
+        plan = [(Shape("DSA", b, 1, 64, 2048, 64), h64) for b in (8, 32, 64)]
+        plan += [(Shape("V4-CSA", 32, 1, 64, 128, 256, 512, 64), h64), (Shape("V4-TP8", 32, 1, 8, 128, 256, 512, 64), h16)]
     else:
         plan = [(Shape("DSA", 32, 1, 64, 2048, 64), h64), (Shape("DSA", 128, 1, 64, 2048, 64), h64),
                 (Shape("DSA", 1, 1, 64, 2048, 64), h64), (Shape("V4-CSA", 128, 1, 64, 128, 256, 512, 64), h64),

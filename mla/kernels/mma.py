@@ -220,10 +220,12 @@ def mma_decode_kernel(
     if PARTIAL:
         prow = (tok.to(tl.int64) * num_splits + split) * h_q + heads
         tl.store(plse_ptr + prow, tl.where(empty, float("-inf"), lse2), mask=lmask)
-        tl.store(po_ptr + prow[:, None] * 512 + half * 256 + c[None, :], o0, mask=hmask[:, None])
+        tl.store(po_ptr + prow[:, None] * 512 + half * 256 + c[None, :], o0.to(po_ptr.dtype.element_ty),
+                 mask=hmask[:, None])
         if DV_HALVES == 1:
             o1 = acc1 / l_safe[:, None]
-            tl.store(po_ptr + prow[:, None] * 512 + 256 + c[None, :], o1, mask=hmask[:, None])
+            tl.store(po_ptr + prow[:, None] * 512 + 256 + c[None, :], o1.to(po_ptr.dtype.element_ty),
+                     mask=hmask[:, None])
     else:
         lse = lse2 * 0.6931471805599453
         if HAS_SINK:
@@ -263,7 +265,8 @@ def combine_kernel(po_ptr, plse_ptr, out_ptr, lse_ptr, sink_ptr, s_q, h_q, num_s
     for sp in range(0, num_splits):
         row = base + sp * h_q + heads
         w = tl.exp2(tl.load(plse_ptr + row, mask=hmask, other=float("-inf")) - m_safe)
-        o = tl.load(po_ptr + row[:, None] * 512 + c[None, :], mask=hmask[:, None] & (w[:, None] > 0), other=0.0)
+        o = tl.load(po_ptr + row[:, None] * 512 + c[None, :], mask=hmask[:, None] & (w[:, None] > 0),
+                    other=0.0).to(tl.float32)
         wsum += w
         acc += w[:, None] * o
     empty = wsum == 0.0
@@ -295,6 +298,7 @@ class MMAConfig:
     p_split: bool = False      # bf16 only: P.V with P as two bf16 terms (hi + lo), 2x the P.V work
     ablate: int = 0            # timing ablations only (1: no gather); results are wrong
     dv_halves: int = 1         # 2: two programs per head block, each owning 256 output columns
+    partial_fp16: bool = False  # split partial outputs stored as fp16 (half the traffic) not fp32
 
     def for_heads(self, h_q: int) -> "MMAConfig":
         """BLOCK_H never exceeds h_q rounded up to a power of two, and never drops below 16
@@ -382,7 +386,8 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
     ns = splits if splits is not None else num_splits(b, s_q, h_q, topk + etopk, cfg, sm_count(dev))
     n_hb = triton.cdiv(h_q, cfg.block_h)
     if ns > 1:
-        po = torch.empty(b * s_q, ns, h_q, D_QK, dtype=torch.float32, device=dev)
+        po = torch.empty(b * s_q, ns, h_q, D_QK, dtype=torch.float16 if cfg.partial_fp16 else torch.float32,
+                         device=dev)
         plse = torch.empty(b * s_q, ns, h_q, dtype=torch.float32, device=dev)
     else:
         po = plse = lse
