@@ -144,16 +144,21 @@ def config_variant(arch: int, cfg, asm: tuple = ()) -> dict:
 
 def shipped_variants(arch: int) -> list[dict]:
     """Every config that ``mla`` may launch on ``arch``: its generic table, plus the shipped
-    tables of GPUs of that architecture (the H200 file for sm_90)."""
+    tables of GPUs of that architecture (the H200 file for sm_90), each with the variant
+    :func:`~mla.kernels.mma.fill_small_grid` launches for a small grid."""
     from . import configs
 
     tables = [configs.generic(arch)]
     if arch == 90:
         tables.append(configs.table_for("NVIDIA H200", "3.6", 90)[1])
+    from .kernels.mma import fill_small_grid
+
     seen, out = set(), []
     for t in tables:
         for cfg in t.values():
-            if cfg not in seen:
-                seen.add(cfg)
-                out.append(config_variant(arch, cfg))
+            # and the variant a small grid launches instead (two programs per head block)
+            for c in (cfg, fill_small_grid(cfg, 1, 1, cfg.block_h, 1, sms=1 << 20)):
+                if c not in seen:
+                    seen.add(c)
+                    out.append(config_variant(arch, c))
     return out

@@ -9,7 +9,7 @@ import triton.language as tl
 
 import mla
 from mla.kernels.common import e4m3_to_f32, ue8m0_to_f32
-from mla.kernels.mma import mma_sparse_decode
+from mla.kernels.mma import MMAConfig, fill_small_grid, mma_sparse_decode
 from mla.validate import make_case, run_case
 
 CASES = {
@@ -37,6 +37,47 @@ def test_mma_split_k_combine_matches_reference(splits, device):
     fn = functools.partial(mma_sparse_decode, splits=splits)
     out_ok, lse_ok = run_case(fn, case)
     assert out_ok.ok and lse_ok.ok, f"{out_ok} | {lse_ok}"
+
+
+@pytest.mark.parametrize("partial_fp16", [False, True])
+@pytest.mark.parametrize("dv_halves", [1, 2])
+def test_mma_output_halves_and_partial_types_match_reference(dv_halves, partial_fp16, device):
+    """dv_halves=2 (two programs per head block, 256 output columns each) and the partial
+    output type, with and without splits, on a case with both caches, lengths and an empty query."""
+    case = make_case(b=2, s_q=2, h_q=20, topk=45, page=13, extra_topk=19, extra_page=7, lengths=True,
+                     empty_query=True, device=device, seed=11)
+    base = mla.kernels.mma.default_config(20, torch.device(device))
+    cfg = MMAConfig(**{**base.__dict__, "dv_halves": dv_halves, "partial_fp16": partial_fp16,
+                       "num_warps": 4 if dv_halves == 2 else base.num_warps})
+    for splits in (1, 3):
+        out_ok, lse_ok = run_case(functools.partial(mma_sparse_decode, config=cfg, splits=splits), case)
+        assert out_ok.ok and lse_ok.ok, f"splits={splits}: {out_ok} | {lse_ok}"
+
+
+def test_mma_rejects_a_bad_dv_halves():
+    case = make_case(b=1, s_q=1, h_q=4, topk=8, page=8, device="cpu", seed=1)
+    with pytest.raises(ValueError, match="dv_halves"):
+        mma_sparse_decode(**case, config=MMAConfig(block_h=16, block_n=16, num_warps=4, dv_halves=3))
+
+
+def test_fill_small_grid_splits_head_blocks_only_when_the_grid_is_small():
+    h64 = MMAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
+    # DSA (topk 2048 = 32 tiles): 32 or 64 programs at b 1 or 2 fill under half of 132 SMs
+    for b in (1, 2):
+        got = fill_small_grid(h64, b, 1, 64, 2048, 132)
+        assert (got.dv_halves, got.num_warps, got.num_stages) == (2, 4, 1), (b, got)
+    for b in (3, 8, 128):
+        assert fill_small_grid(h64, b, 1, 64, 2048, 132) == h64
+    # V4-CSA (640 tokens = 10 tiles) up to b = 6; s_q counts like b
+    assert fill_small_grid(h64, 6, 1, 64, 640, 132).dv_halves == 2
+    assert fill_small_grid(h64, 7, 1, 64, 640, 132) == h64
+    assert fill_small_grid(h64, 3, 2, 64, 640, 132).dv_halves == 2
+    assert fill_small_grid(h64, 4, 2, 64, 640, 132) == h64
+    # head blocks below 64 are left alone (measured: no gain at V4-TP8), as are other variants
+    h16 = MMAConfig(block_h=16, block_n=64, num_warps=8)
+    assert fill_small_grid(h16, 1, 1, 8, 640, 132) == h16
+    tam = MMAConfig(tokens_as_m=True)
+    assert fill_small_grid(tam, 1, 1, 64, 640, 132) == tam
 
 
 def test_a_kernel_that_ignores_the_mask_is_caught(device):

@@ -298,7 +298,7 @@ class MMAConfig:
     p_split: bool = False      # bf16 only: P.V with P as two bf16 terms (hi + lo), 2x the P.V work
     ablate: int = 0            # timing ablations only (1: no gather); results are wrong
     dv_halves: int = 1         # 2: two programs per head block, each owning 256 output columns
-    partial_fp16: bool = False  # split partial outputs stored as fp16 (half the traffic) not fp32
+    partial_fp16: bool = True  # split partial outputs stored as fp16 (half the traffic of fp32)
 
     def for_heads(self, h_q: int) -> "MMAConfig":
         """BLOCK_H never exceeds h_q rounded up to a power of two, and never drops below 16
