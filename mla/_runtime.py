@@ -53,7 +53,3 @@ def single_config() -> bool:
     """Whether kernels must use one config (the interpreter cannot autotune)."""
     return INTERPRET
 
-
-def kernel_device() -> torch.device:
-    """The device on which kernel inputs live: cuda on a GPU box, cpu under the interpreter."""
-    return torch.device("cuda") if HAS_CUDA else torch.device("cpu")

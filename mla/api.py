@@ -116,10 +116,6 @@ def check_inputs(q, k_cache, indices, softmax_scale=None, attn_sink=None, topk_l
             _check_length(extra_topk_length, "extra_topk_length", b, dev)
 
 
-def _as_bytes(cache):
-    return None if cache is None else cache.view(torch.uint8)
-
-
 def resolve_impl(impl: str, device: torch.device) -> str:
     """``"auto"`` is the MMA kernel on a GPU and the reference on the CPU interpreter."""
     if impl != "auto":

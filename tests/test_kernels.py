@@ -1,4 +1,5 @@
 """SIMT and MMA kernels against the float64 reference (CPU interpreter here; the GPU too)."""
+import dataclasses
 import functools
 import zlib
 
@@ -47,8 +48,8 @@ def test_mma_output_halves_and_partial_types_match_reference(dv_halves, partial_
     case = make_case(b=2, s_q=2, h_q=20, topk=45, page=13, extra_topk=19, extra_page=7, lengths=True,
                      empty_query=True, device=device, seed=11)
     base = mla.kernels.mma.default_config(20, torch.device(device))
-    cfg = MMAConfig(**{**base.__dict__, "dv_halves": dv_halves, "partial_fp16": partial_fp16,
-                       "num_warps": 4 if dv_halves == 2 else base.num_warps})
+    cfg = dataclasses.replace(base, dv_halves=dv_halves, partial_fp16=partial_fp16,
+                              num_warps=4 if dv_halves == 2 else base.num_warps)
     for splits in (1, 3):
         out_ok, lse_ok = run_case(functools.partial(mma_sparse_decode, config=cfg, splits=splits), case)
         assert out_ok.ok and lse_ok.ok, f"splits={splits}: {out_ok} | {lse_ok}"

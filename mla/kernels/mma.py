@@ -383,7 +383,7 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
         eidx, etopk = extra_indices.contiguous(), extra_indices.shape[-1]
     else:
         ec, est, ep, en, eidx, etopk = kc, kst, kp, kn, indices, 0
-    ns = splits if splits is not None else num_splits(b, s_q, h_q, topk + etopk, cfg, sm_count(dev))
+    ns = splits if splits is not None else num_splits(b, s_q, h_q, topk_total, cfg, sm_count(dev))
     n_hb = triton.cdiv(h_q, cfg.block_h)
     if ns > 1:
         po = torch.empty(b * s_q, ns, h_q, D_QK, dtype=torch.float16 if cfg.partial_fp16 else torch.float32,
