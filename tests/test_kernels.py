@@ -55,6 +55,19 @@ def test_mma_output_halves_and_partial_types_match_reference(dv_halves, partial_
         assert out_ok.ok and lse_ok.ok, f"splits={splits}: {out_ok} | {lse_ok}"
 
 
+@pytest.mark.parametrize("variant", [dict(prefetch=True), dict(tokens_as_m=True), dict(dot="bf16"), dict(block_n=32)])
+def test_mma_config_variants_match_reference(variant, device):
+    """The non-default code paths (the hand-prefetched loop, tokens as M, bf16 operands, another
+    tile size) over both caches, with lengths and an empty query, unsplit and in three splits
+    (the middle one's tile range runs from the main cache's last tile into the extra cache's)."""
+    case = make_case(b=2, s_q=1, h_q=6, topk=37, page=11, extra_topk=29, extra_page=5, lengths=True,
+                     empty_query=True, device=device, seed=13)
+    cfg = dataclasses.replace(mla.kernels.mma.default_config(6, torch.device(device)), **variant)
+    for splits in (1, 3):
+        out_ok, lse_ok = run_case(functools.partial(mma_sparse_decode, config=cfg, splits=splits), case)
+        assert out_ok.ok and lse_ok.ok, f"{variant} splits={splits}: {out_ok} | {lse_ok}"
+
+
 def test_mma_rejects_a_bad_dv_halves():
     case = make_case(b=1, s_q=1, h_q=4, topk=8, page=8, device="cpu", seed=1)
     with pytest.raises(ValueError, match="dv_halves"):

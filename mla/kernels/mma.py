@@ -26,44 +26,73 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _mma_cache_pass(m_i, l_i, acc0, acc1, q0, q1, cache_ptr, page_stride, P, n_tokens, idx_row_ptr, n,
-                    tile_lo, tile_hi, sm_scale_log2,
-                    BLOCK_N: tl.constexpr, FP8_NATIVE: tl.constexpr, DOT: tl.constexpr,
-                    PREFETCH: tl.constexpr = False, P_SPLIT: tl.constexpr = False, ABLATE: tl.constexpr = 0,
-                    DV_HALVES: tl.constexpr = 1, half=0):
-    """Fold token tiles ``[tile_lo, tile_hi)`` of one cache (first ``n`` positions valid) into
+def _tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
+               ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2,
+               BLOCK_N: tl.constexpr, HAS_EXTRA: tl.constexpr):
+    """Token tile ``ti`` of a query's list (the main cache's ``tiles1`` tiles, then the extra
+    cache's): the cache it comes from and, per position, (valid, data row, scale row). The
+    cache is picked per tile with scalar selects, so both caches run through one loop (one copy
+    of the loop body: a second loop for the extra cache spilled 10x more registers). A tile at
+    or past ``hi`` (the next split's) comes out all invalid, so the hand-prefetched loop's look-ahead
+    past its range loads nothing."""
+    ar = tl.arange(0, BLOCK_N)
+    if HAS_EXTRA:
+        main = ti < tiles1
+        cache = tl.where(main, kc_ptr, ec_ptr)
+        valid, row, srow = token_rows(tl.where(main, idx_main, idx_extra),
+                                      tl.where(main, ti, ti - tiles1) * BLOCK_N + ar,
+                                      tl.where(ti < hi, tl.where(main, n1, n2), 0),
+                                      tl.where(main, kc_n, ec_n), tl.where(main, kc_P, ec_P),
+                                      tl.where(main, kc_stride, ec_stride))
+    else:
+        cache = kc_ptr
+        valid, row, srow = token_rows(idx_main, ti * BLOCK_N + ar, tl.where(ti < hi, n1, 0), kc_n, kc_P,
+                                      kc_stride)
+    return cache, valid, row, srow
+
+
+@triton.jit
+def _mma_cache_pass(m_i, l_i, acc0, acc1, q0, q1, lo, hi, tiles1,
+                    kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2,
+                    sm_scale_log2, BLOCK_N: tl.constexpr, HAS_EXTRA: tl.constexpr, FP8_NATIVE: tl.constexpr,
+                    DOT: tl.constexpr, PREFETCH: tl.constexpr = False, P_SPLIT: tl.constexpr = False,
+                    ABLATE: tl.constexpr = 0, DV_HALVES: tl.constexpr = 1, half=0):
+    """Fold token tiles ``[lo, hi)`` of the query's list (main cache, then extra cache) into
     the running state of BLOCK_H heads.
 
     With PREFETCH the loop is software-pipelined by hand: while tile i is decoded and multiplied,
     the bytes of tile i+1 and the indices of tile i+2 are already in flight, so neither the
     index load nor the dependent gather sits on the critical path."""
-    ar = tl.arange(0, BLOCK_N)
     if PREFETCH:
-        n_lim = tl.minimum(n, tile_hi * BLOCK_N)        # positions past this split are masked
-        valid, row, srow = token_rows(idx_row_ptr, tile_lo * BLOCK_N + ar, n_lim, n_tokens, P, page_stride)
-        a0, s0, r0 = load_raw(cache_ptr, row, srow, valid, 0, 4)
-        a1, s1, r1 = load_raw(cache_ptr, row, srow, valid, 4, 4)
-        v_nx, row_nx, srow_nx = token_rows(idx_row_ptr, (tile_lo + 1) * BLOCK_N + ar, n_lim, n_tokens, P,
-                                           page_stride)
-        for ti in range(tile_lo, tile_hi):
+        cache, valid, row, srow = _tile_rows(lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
+                                             ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA)
+        a0, s0, r0 = load_raw(cache, row, srow, valid, 0, 4)
+        a1, s1, r1 = load_raw(cache, row, srow, valid, 4, 4)
+        c_nx, v_nx, row_nx, srow_nx = _tile_rows(lo + 1, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
+                                                 ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA)
+        for ti in range(lo, hi):
             # in flight during this tile's math: bytes of ti+1, indices of ti+2
-            b0, t0, u0 = load_raw(cache_ptr, row_nx, srow_nx, v_nx, 0, 4)
-            b1, t1, u1 = load_raw(cache_ptr, row_nx, srow_nx, v_nx, 4, 4)
-            v2, row2, srow2 = token_rows(idx_row_ptr, (ti + 2) * BLOCK_N + ar, n_lim, n_tokens, P, page_stride)
+            b0, t0, u0 = load_raw(c_nx, row_nx, srow_nx, v_nx, 0, 4)
+            b1, t1, u1 = load_raw(c_nx, row_nx, srow_nx, v_nx, 4, 4)
+            c2, v2, row2, srow2 = _tile_rows(ti + 2, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
+                                             ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA)
             k0 = tl.reshape(dequant(a0, s0, r0, 0, 4, FP8_NATIVE, DOT), [BLOCK_N, 256])
             k1 = tl.reshape(dequant(a1, s1, r1, 4, 4, FP8_NATIVE, DOT), [BLOCK_N, 256])
             m_i, l_i, acc0, acc1 = _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, valid, sm_scale_log2, DOT, P_SPLIT,
                                                 DV_HALVES, half)
             a0, s0, r0, a1, s1, r1, valid = b0, t0, u0, b1, t1, u1, v_nx
-            v_nx, row_nx, srow_nx = v2, row2, srow2
+            c_nx, v_nx, row_nx, srow_nx = c2, v2, row2, srow2
     else:
-        for ti in range(tile_lo, tile_hi):
-            valid, row, srow = token_rows(idx_row_ptr, ti * BLOCK_N + ar, n, n_tokens, P, page_stride)
+        ar = tl.arange(0, BLOCK_N)
+        for ti in range(lo, hi):
+            cache, valid, row, srow = _tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
+                                                 ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA)
             if ABLATE == 1:     # timing ablation: every tile reads the same first tokens (cache hits)
-                row = (ar % P).to(tl.int64) * 576
-                srow = P * 576 + (ar % P).to(tl.int64) * 8
-            k0 = tl.reshape(load_token_tile(cache_ptr, row, srow, valid, FP8_NATIVE, DOT, 0, 4), [BLOCK_N, 256])
-            k1 = tl.reshape(load_token_tile(cache_ptr, row, srow, valid, FP8_NATIVE, DOT, 4, 4), [BLOCK_N, 256])
+                cache = kc_ptr
+                row = (ar % kc_P).to(tl.int64) * 576
+                srow = kc_P * 576 + (ar % kc_P).to(tl.int64) * 8
+            k0 = tl.reshape(load_token_tile(cache, row, srow, valid, FP8_NATIVE, DOT, 0, 4), [BLOCK_N, 256])
+            k1 = tl.reshape(load_token_tile(cache, row, srow, valid, FP8_NATIVE, DOT, 4, 4), [BLOCK_N, 256])
             m_i, l_i, acc0, acc1 = _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, valid, sm_scale_log2, DOT, P_SPLIT,
                                                 DV_HALVES, half)
     return m_i, l_i, acc0, acc1
@@ -103,18 +132,18 @@ def _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, valid, sm_scale_log2, DOT
 
 
 @triton.jit
-def _mma_cache_pass_t(m_i, l_i, acc0, acc1, q0t, q1t, cache_ptr, page_stride, P, n_tokens, idx_row_ptr, n,
-                      tile_lo, tile_hi, sm_scale_log2,
-                      BLOCK_N: tl.constexpr, FP8_NATIVE: tl.constexpr, DOT: tl.constexpr,
-                      P_SPLIT: tl.constexpr = False):
+def _mma_cache_pass_t(m_i, l_i, acc0, acc1, q0t, q1t, lo, hi, tiles1,
+                      kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2,
+                      sm_scale_log2, BLOCK_N: tl.constexpr, HAS_EXTRA: tl.constexpr, FP8_NATIVE: tl.constexpr,
+                      DOT: tl.constexpr, P_SPLIT: tl.constexpr = False):
     """The same fold with tokens as the M dimension of the dots ("S^T = K.Q^T", "O^T += V^T.P^T"):
     the token tile, not the head block, is split across warpgroups, so no warpgroup repeats
     another's Q.K^T. State is transposed: acc ``[256, BLOCK_H]`` halves, m and l per head."""
-    for ti in range(tile_lo, tile_hi):
-        offs = ti * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid, row, srow = token_rows(idx_row_ptr, offs, n, n_tokens, P, page_stride)
-        k0 = tl.reshape(load_token_tile(cache_ptr, row, srow, valid, FP8_NATIVE, DOT, 0, 4), [BLOCK_N, 256])
-        k1 = tl.reshape(load_token_tile(cache_ptr, row, srow, valid, FP8_NATIVE, DOT, 4, 4), [BLOCK_N, 256])
+    for ti in range(lo, hi):
+        cache, valid, row, srow = _tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
+                                             ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA)
+        k0 = tl.reshape(load_token_tile(cache, row, srow, valid, FP8_NATIVE, DOT, 0, 4), [BLOCK_N, 256])
+        k1 = tl.reshape(load_token_tile(cache, row, srow, valid, FP8_NATIVE, DOT, 4, 4), [BLOCK_N, 256])
         st = tl.dot(k0, q0t)
         st = tl.dot(k1, q1t, st)
         st = tl.where(valid[:, None], st * sm_scale_log2, float("-inf"))      # [BLOCK_N, BLOCK_H]
@@ -186,12 +215,8 @@ def mma_decode_kernel(
         acc0t = tl.zeros([256, BLOCK_H], tl.float32)
         acc1t = tl.zeros([256, BLOCK_H], tl.float32)
         m_i, l_i, acc0t, acc1t = _mma_cache_pass_t(
-            m_i, l_i, acc0t, acc1t, q0t, q1t, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
-            lo, tl.minimum(hi, tiles1), sm_scale_log2, BLOCK_N, FP8_NATIVE, DOT, P_SPLIT)
-        if HAS_EXTRA:
-            m_i, l_i, acc0t, acc1t = _mma_cache_pass_t(
-                m_i, l_i, acc0t, acc1t, q0t, q1t, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2,
-                tl.maximum(lo, tiles1) - tiles1, hi - tiles1, sm_scale_log2, BLOCK_N, FP8_NATIVE, DOT, P_SPLIT)
+            m_i, l_i, acc0t, acc1t, q0t, q1t, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
+            ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, sm_scale_log2, BLOCK_N, HAS_EXTRA, FP8_NATIVE, DOT, P_SPLIT)
         acc0 = tl.trans(acc0t)
         acc1 = tl.trans(acc1t)
     else:
@@ -201,14 +226,9 @@ def mma_decode_kernel(
         else:
             acc1 = tl.zeros([BLOCK_H, 256], tl.float32)
         m_i, l_i, acc0, acc1 = _mma_cache_pass(
-            m_i, l_i, acc0, acc1, q0, q1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
-            lo, tl.minimum(hi, tiles1), sm_scale_log2, BLOCK_N, FP8_NATIVE, DOT, PREFETCH, P_SPLIT, ABLATE,
-            DV_HALVES, half)
-        if HAS_EXTRA:
-            m_i, l_i, acc0, acc1 = _mma_cache_pass(
-                m_i, l_i, acc0, acc1, q0, q1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2,
-                tl.maximum(lo, tiles1) - tiles1, hi - tiles1, sm_scale_log2, BLOCK_N, FP8_NATIVE, DOT, PREFETCH, P_SPLIT,
-                ABLATE, DV_HALVES, half)
+            m_i, l_i, acc0, acc1, q0, q1, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
+            ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, sm_scale_log2, BLOCK_N, HAS_EXTRA, FP8_NATIVE, DOT,
+            PREFETCH, P_SPLIT, ABLATE, DV_HALVES, half)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
