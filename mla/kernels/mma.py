@@ -28,26 +28,30 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
                ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2,
-               BLOCK_N: tl.constexpr, HAS_EXTRA: tl.constexpr):
+               BLOCK_N: tl.constexpr, HAS_EXTRA: tl.constexpr, CLIP: tl.constexpr = False):
     """Token tile ``ti`` of a query's list (the main cache's ``tiles1`` tiles, then the extra
     cache's): the cache it comes from and, per position, (valid, data row, scale row). The
     cache is picked per tile with scalar selects, so both caches run through one loop (one copy
-    of the loop body: a second loop for the extra cache spilled 10x more registers). A tile at
-    or past ``hi`` (the next split's) comes out all invalid, so the hand-prefetched loop's look-ahead
-    past its range loads nothing."""
+    of the loop body: a second loop for the extra cache spilled 10x more registers). With CLIP a
+    tile at or past ``hi`` (the next split's) comes out all invalid, so the hand-prefetched loop's
+    look-ahead past its range loads nothing."""
     ar = tl.arange(0, BLOCK_N)
     if HAS_EXTRA:
         main = ti < tiles1
         cache = tl.where(main, kc_ptr, ec_ptr)
+        n = tl.where(main, n1, n2)
+        if CLIP:
+            n = tl.where(ti < hi, n, 0)
         valid, row, srow = token_rows(tl.where(main, idx_main, idx_extra),
-                                      tl.where(main, ti, ti - tiles1) * BLOCK_N + ar,
-                                      tl.where(ti < hi, tl.where(main, n1, n2), 0),
+                                      tl.where(main, ti, ti - tiles1) * BLOCK_N + ar, n,
                                       tl.where(main, kc_n, ec_n), tl.where(main, kc_P, ec_P),
                                       tl.where(main, kc_stride, ec_stride))
     else:
         cache = kc_ptr
-        valid, row, srow = token_rows(idx_main, ti * BLOCK_N + ar, tl.where(ti < hi, n1, 0), kc_n, kc_P,
-                                      kc_stride)
+        n = n1
+        if CLIP:
+            n = tl.where(ti < hi, n, 0)
+        valid, row, srow = token_rows(idx_main, ti * BLOCK_N + ar, n, kc_n, kc_P, kc_stride)
     return cache, valid, row, srow
 
 
@@ -65,17 +69,19 @@ def _mma_cache_pass(m_i, l_i, acc0, acc1, q0, q1, lo, hi, tiles1,
     index load nor the dependent gather sits on the critical path."""
     if PREFETCH:
         cache, valid, row, srow = _tile_rows(lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
-                                             ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA)
+                                             ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, True)
         a0, s0, r0 = load_raw(cache, row, srow, valid, 0, 4)
         a1, s1, r1 = load_raw(cache, row, srow, valid, 4, 4)
         c_nx, v_nx, row_nx, srow_nx = _tile_rows(lo + 1, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
-                                                 ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA)
+                                                 ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA,
+                                                 True)
         for ti in range(lo, hi):
             # in flight during this tile's math: bytes of ti+1, indices of ti+2
             b0, t0, u0 = load_raw(c_nx, row_nx, srow_nx, v_nx, 0, 4)
             b1, t1, u1 = load_raw(c_nx, row_nx, srow_nx, v_nx, 4, 4)
             c2, v2, row2, srow2 = _tile_rows(ti + 2, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
-                                             ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA)
+                                             ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA,
+                                             True)
             k0 = tl.reshape(dequant(a0, s0, r0, 0, 4, FP8_NATIVE, DOT), [BLOCK_N, 256])
             k1 = tl.reshape(dequant(a1, s1, r1, 4, 4, FP8_NATIVE, DOT), [BLOCK_N, 256])
             m_i, l_i, acc0, acc1 = _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, valid, sm_scale_log2, DOT, P_SPLIT,
