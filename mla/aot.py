@@ -33,7 +33,7 @@ _ALIGNED = {"q_ptr", "out_ptr", "lse_ptr", "sink_ptr", "po_ptr", "plse_ptr", "kc
 
 
 def _compile_in_process(kernel_name: str, arch: int, constexprs: dict, num_warps: int, num_stages: int,
-                        want_asm: tuple = (), types: dict | None = None) -> dict:
+                        want_asm: tuple = (), types: dict | None = None, maxnreg: int = 0) -> dict:
     """Compile one kernel variant (this process must have TRITON_INTERPRET unset or 0)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -61,7 +61,10 @@ def _compile_in_process(kernel_name: str, arch: int, constexprs: dict, num_warps
         consts["DOT"] = getattr(triton.language, consts["DOT"])
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     target = GPUTarget("cuda", arch, 32)
-    ck = triton.compile(src, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    ck = triton.compile(src, target=target, options=options)
     res = {"arch": arch, "shared": int(ck.metadata.shared), "num_warps": num_warps, "num_stages": num_stages}
     ptx = ck.asm["ptx"]
     regs, spill = _ptxas_usage(ptx, arch)
@@ -113,7 +116,7 @@ def _worker():
     for v in variants:
         try:
             r = _compile_in_process(v["kernel"], v["arch"], v["constexprs"], v["num_warps"], v["num_stages"],
-                                    tuple(v.get("asm", ())), v.get("types"))
+                                    tuple(v.get("asm", ())), v.get("types"), v.get("maxnreg", 0))
             r["fits"] = r["shared"] <= SMEM_LIMIT[v["arch"]] and r["usable"]
         except Exception as e:  # noqa: BLE001
             r = {"arch": v["arch"], "error": f"{type(e).__name__}: {str(e)[:500]}"}
@@ -123,9 +126,10 @@ def _worker():
 
 def mma_variant(arch: int, block_h=64, block_n=64, num_warps=8, num_stages=1, has_extra=True, partial=True,
                 tokens_as_m=False, prefetch=False, p_split=False, dot="float16", dv_halves=1,
-                partial_fp16=False, asm: tuple = ()) -> dict:
+                partial_fp16=False, maxnreg=0, asm: tuple = ()) -> dict:
     """The decode kernel's variant for ``arch`` with a config (sink and lengths on)."""
     return {"kernel": "mma_decode_kernel", "arch": arch, "num_warps": num_warps, "num_stages": num_stages,
+            "maxnreg": maxnreg,
             "asm": list(asm), "types": {"po_ptr": "*fp16"} if partial_fp16 else {},
             "constexprs": {"HAS_SINK": True, "HAS_LEN": True, "HAS_EXTRA": has_extra, "HAS_ELEN": has_extra,
                            "PARTIAL": partial, "BLOCK_H": block_h, "BLOCK_N": block_n,
@@ -139,7 +143,7 @@ def config_variant(arch: int, cfg, asm: tuple = ()) -> dict:
     return mma_variant(arch, block_h=cfg.block_h, block_n=cfg.block_n, num_warps=cfg.num_warps,
                        num_stages=cfg.num_stages, tokens_as_m=cfg.tokens_as_m, prefetch=cfg.prefetch,
                        p_split=cfg.p_split, dot={"fp16": "float16", "bf16": "bfloat16"}[cfg.dot],
-                       dv_halves=cfg.dv_halves, partial_fp16=cfg.partial_fp16, asm=asm)
+                       dv_halves=cfg.dv_halves, partial_fp16=cfg.partial_fp16, maxnreg=cfg.maxnreg, asm=asm)
 
 
 def shipped_variants(arch: int) -> list[dict]:

@@ -25,6 +25,19 @@ def test_every_shipped_config_compiles_and_fits_shared_memory(compiled):
 
 
 @pytest.mark.slow
+def test_a_register_cap_is_honoured_and_its_spills_reported():
+    """MMAConfig.maxnreg reaches ptxas: the V4-TP8 config (208 registers, no spills under Triton
+    3.6) capped at 128 registers uses at most 128 and spills."""
+    from mla.kernels.mma import MMAConfig
+
+    free, capped = aot.report([aot.config_variant(90, MMAConfig(block_h=16, block_n=64, num_warps=8)),
+                               aot.config_variant(90, MMAConfig(block_h=16, block_n=64, num_warps=8, maxnreg=128))])
+    assert "error" not in free and "error" not in capped, (free, capped)
+    assert free["regs"] > 128
+    assert 0 < capped["regs"] <= 128 and capped["spill_bytes"] > free["spill_bytes"]
+
+
+@pytest.mark.slow
 def test_a_config_too_big_for_99kb_is_reported_as_not_fitting():
     """The check is not vacuous: two pipeline stages at BLOCK_N 64, h_q 64 need more than
     sm_120's 99 KB (the H200's shipped h_q-64 config would not fit there)."""

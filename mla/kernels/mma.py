@@ -325,6 +325,7 @@ class MMAConfig:
     ablate: int = 0            # timing ablations only (1: no gather); results are wrong
     dv_halves: int = 1         # 2: two programs per head block, each owning 256 output columns
     partial_fp16: bool = True  # split partial outputs stored as fp16 (half the traffic of fp32)
+    maxnreg: int = 0           # registers per thread ptxas may use (0: its own choice, up to 255)
 
     def for_heads(self, h_q: int) -> "MMAConfig":
         """BLOCK_H never exceeds h_q rounded up to a power of two, and never drops below 16
@@ -432,7 +433,7 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
         DOT=_runtime.dot_dtype() if _runtime.INTERPRET else _DOT_TYPES[cfg.dot],
         TOKENS_AS_M=cfg.tokens_as_m, PREFETCH=cfg.prefetch,
         P_SPLIT=cfg.p_split and not _runtime.INTERPRET, ABLATE=cfg.ablate, DV_HALVES=cfg.dv_halves,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
     if ns > 1:
         bhc = 1
