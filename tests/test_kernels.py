@@ -74,6 +74,13 @@ def test_mma_rejects_a_bad_dv_halves():
         mma_sparse_decode(**case, config=MMAConfig(block_h=16, block_n=16, num_warps=4, dv_halves=3))
 
 
+@pytest.mark.parametrize("maxnreg", [-1, 8, 256])
+def test_mma_rejects_a_bad_register_cap(maxnreg):
+    case = make_case(b=1, s_q=1, h_q=4, topk=8, page=8, device="cpu", seed=1)
+    with pytest.raises(ValueError, match="maxnreg"):
+        mma_sparse_decode(**case, config=MMAConfig(block_h=16, block_n=16, num_warps=4, maxnreg=maxnreg))
+
+
 def test_fill_small_grid_splits_head_blocks_only_when_the_grid_is_small():
     h64 = MMAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
     # DSA (topk 2048 = 32 tiles): 32 or 64 programs at b 1 or 2 fill under half of 132 SMs

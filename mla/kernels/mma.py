@@ -397,6 +397,11 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
     topk_total = indices.shape[-1] + (extra_indices.shape[-1] if extra_k_cache is not None else 0)
     if config is None and not _runtime.INTERPRET:
         cfg = fill_small_grid(cfg, b, s_q, h_q, topk_total, sm_count(dev))
+    if cfg.dv_halves not in (1, 2) or (cfg.dv_halves == 2 and (cfg.tokens_as_m or cfg.p_split)):
+        raise ValueError(f"config: dv_halves must be 1 or 2, and 2 does not combine with tokens_as_m or "
+                         f"p_split; got {cfg}")
+    if not (cfg.maxnreg == 0 or 16 <= cfg.maxnreg <= 255):
+        raise ValueError(f"config: maxnreg must be 0 (no cap) or 16..255 registers per thread; got {cfg.maxnreg}")
     scale = D_QK ** -0.5 if softmax_scale is None else float(softmax_scale)
     q = q.contiguous()
     indices = indices.contiguous()
@@ -419,9 +424,6 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
     else:
         po = plse = lse
     sink = attn_sink if attn_sink is not None else lse
-    if cfg.dv_halves not in (1, 2) or (cfg.dv_halves == 2 and (cfg.tokens_as_m or cfg.p_split)):
-        raise ValueError(f"config: dv_halves must be 1 or 2, and 2 does not combine with tokens_as_m or "
-                         f"p_split; got {cfg}")
     mma_decode_kernel[(n_hb * cfg.dv_halves, ns, b * s_q)](
         q, out, lse, sink, po, plse,
         kc, kst, kp, kn, indices, topk, topk_length if topk_length is not None else indices,
