@@ -33,7 +33,8 @@ _ALIGNED = {"q_ptr", "out_ptr", "lse_ptr", "sink_ptr", "po_ptr", "plse_ptr", "kc
 
 
 def _compile_in_process(kernel_name: str, arch: int, constexprs: dict, num_warps: int, num_stages: int,
-                        want_asm: tuple = (), types: dict | None = None, maxnreg: int = 0) -> dict:
+                        want_asm: tuple = (), types: dict | None = None, maxnreg: int = 0,
+                        loops: bool = False) -> dict:
     """Compile one kernel variant (this process must have TRITON_INTERPRET unset or 0)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -67,38 +68,78 @@ def _compile_in_process(kernel_name: str, arch: int, constexprs: dict, num_warps
     ck = triton.compile(src, target=target, options=options)
     res = {"arch": arch, "shared": int(ck.metadata.shared), "num_warps": num_warps, "num_stages": num_stages}
     ptx = ck.asm["ptx"]
-    regs, spill = _ptxas_usage(ptx, arch)
+    regs, spill, sass = _ptxas_usage(ptx, arch, want_sass=loops)
     # A kernel the backend could not lower is emitted as a lone `trap;` (seen on sm_100 when the
     # accumulators exceed tensor memory): it "fits" but would fault on launch.
     res.update(regs=regs, spill_bytes=spill, usable="ld.global" in ptx)
+    if loops:
+        res["loops"] = sass_loops(sass) if sass else None
     for k in want_asm:
         res[k] = ck.asm[k] if isinstance(ck.asm[k], str) else None
     return res
 
 
-def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
-    """Registers per thread and spill bytes, from the bundled ptxas' -v report."""
+def _ptxas_usage(ptx: str, arch: int, want_sass: bool = False) -> tuple[int, int, str | None]:
+    """Registers per thread and spill bytes, from the bundled ptxas' -v report; with
+    ``want_sass`` also the SASS of the assembled kernel (nvdisasm, next to ptxas)."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     ptxas = get_ptxas(arch).path if hasattr(get_ptxas(arch), "path") else get_ptxas(arch)[0]
     m = re.search(r"^\s*\.target\s+(sm_\w+)", ptx, re.M)      # e.g. sm_90a, sm_120a
     sm = m.group(1) if m else f"sm_{arch}"
+    sass = None
     with tempfile.TemporaryDirectory() as d:
         p = os.path.join(d, "k.ptx")
         with open(p, "w") as f:
             f.write(ptx)
-        out = subprocess.run([ptxas, "-v", f"-arch={sm}", p, "-o", os.path.join(d, "k.cubin")],
-                             capture_output=True, text=True)
+        cubin = os.path.join(d, "k.cubin")
+        out = subprocess.run([ptxas, "-v", f"-arch={sm}", p, "-o", cubin], capture_output=True, text=True)
+        if want_sass and out.returncode == 0:
+            nvdisasm = os.path.join(os.path.dirname(ptxas), "nvdisasm")
+            dis = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True)
+            sass = dis.stdout if dis.returncode == 0 else None
     txt = out.stdout + out.stderr
     regs = re.findall(r"Used (\d+) registers", txt)
     spill = re.findall(r"(\d+) bytes spill stores", txt)
-    return (int(regs[-1]) if regs else -1, int(spill[-1]) if spill else 0)
+    return (int(regs[-1]) if regs else -1, int(spill[-1]) if spill else 0, sass)
+
+
+#: SASS opcodes that run on the tensor cores (Hopper's warpgroup HGMMA, the warp-level HMMA).
+TENSOR_OPS = ("HGMMA", "HMMA")
+
+
+def sass_loops(sass: str) -> list[dict]:
+    """The loops of a SASS listing that issue tensor-core instructions (the token-tile loops of
+    the decode kernel), in program order. A loop is a branch back to an earlier label; each
+    comes with its instruction count per iteration (per warp), its tensor-core instructions,
+    and its spill traffic: ``LDL`` and ``STL``, loads and stores of local memory, which is
+    where ptxas puts the registers it could not keep."""
+    labels, ins = {}, []
+    for line in sass.splitlines():
+        m = re.match(r"^(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = len(ins)
+            continue
+        m = re.match(r"^\s*/\*[0-9a-f]+\*/\s*(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)(.*)", line)
+        if m:
+            ins.append((m.group(1), m.group(2)))
+    loops = []
+    for i, (op, rest) in enumerate(ins):
+        m = re.search(r"`\((\.L_x_\d+)\)", rest) if op == "BRA" else None
+        if m and labels.get(m.group(1), i) < i:
+            body = [o for o, _ in ins[labels[m.group(1)]:i + 1]]
+            tensor = sum(body.count(t) for t in TENSOR_OPS)
+            if tensor:
+                loops.append({"instructions": len(body), "tensor_core": tensor,
+                              "spill_loads": body.count("LDL"), "spill_stores": body.count("STL")})
+    return loops
 
 
 def report(variants: list[dict], timeout: int = 1800) -> list[dict]:
     """Compile each variant ``{"kernel", "arch", "constexprs", "num_warps", "num_stages"}`` in a
     fresh process with TRITON_INTERPRET=0; returns one dict per variant (shared, regs, spill
-    bytes, or "error")."""
+    bytes, or "error"; with ``"loops": True`` in the variant also its tensor-core loops, see
+    :func:`sass_loops`)."""
     env = dict(os.environ, TRITON_INTERPRET="0")
     code = ("import json,sys; from mla.aot import _worker; _worker()")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,7 +157,8 @@ def _worker():
     for v in variants:
         try:
             r = _compile_in_process(v["kernel"], v["arch"], v["constexprs"], v["num_warps"], v["num_stages"],
-                                    tuple(v.get("asm", ())), v.get("types"), v.get("maxnreg", 0))
+                                    tuple(v.get("asm", ())), v.get("types"), v.get("maxnreg", 0),
+                                    v.get("loops", False))
             r["fits"] = r["shared"] <= SMEM_LIMIT[v["arch"]] and r["usable"]
         except Exception as e:  # noqa: BLE001
             r = {"arch": v["arch"], "error": f"{type(e).__name__}: {str(e)[:500]}"}
@@ -126,10 +168,10 @@ def _worker():
 
 def mma_variant(arch: int, block_h=64, block_n=64, num_warps=8, num_stages=1, has_extra=True, partial=True,
                 tokens_as_m=False, prefetch=False, p_split=False, dot="float16", dv_halves=1,
-                partial_fp16=False, maxnreg=0, asm: tuple = ()) -> dict:
+                partial_fp16=False, maxnreg=0, asm: tuple = (), loops=False) -> dict:
     """The decode kernel's variant for ``arch`` with a config (sink and lengths on)."""
     return {"kernel": "mma_decode_kernel", "arch": arch, "num_warps": num_warps, "num_stages": num_stages,
-            "maxnreg": maxnreg,
+            "maxnreg": maxnreg, "loops": loops,
             "asm": list(asm), "types": {"po_ptr": "*fp16"} if partial_fp16 else {},
             "constexprs": {"HAS_SINK": True, "HAS_LEN": True, "HAS_EXTRA": has_extra, "HAS_ELEN": has_extra,
                            "PARTIAL": partial, "BLOCK_H": block_h, "BLOCK_N": block_n,
@@ -138,12 +180,13 @@ def mma_variant(arch: int, block_h=64, block_n=64, num_warps=8, num_stages=1, ha
                            "P_SPLIT": p_split, "DV_HALVES": dv_halves}}
 
 
-def config_variant(arch: int, cfg, asm: tuple = ()) -> dict:
+def config_variant(arch: int, cfg, asm: tuple = (), loops: bool = False, has_extra: bool = True) -> dict:
     """The decode kernel's variant for ``arch`` under an :class:`~mla.kernels.mma.MMAConfig`."""
     return mma_variant(arch, block_h=cfg.block_h, block_n=cfg.block_n, num_warps=cfg.num_warps,
                        num_stages=cfg.num_stages, tokens_as_m=cfg.tokens_as_m, prefetch=cfg.prefetch,
                        p_split=cfg.p_split, dot={"fp16": "float16", "bf16": "bfloat16"}[cfg.dot],
-                       dv_halves=cfg.dv_halves, partial_fp16=cfg.partial_fp16, maxnreg=cfg.maxnreg, asm=asm)
+                       dv_halves=cfg.dv_halves, partial_fp16=cfg.partial_fp16, maxnreg=cfg.maxnreg, asm=asm,
+                       loops=loops, has_extra=has_extra)
 
 
 def shipped_variants(arch: int) -> list[dict]:

@@ -38,6 +38,42 @@ def test_a_register_cap_is_honoured_and_its_spills_reported():
 
 
 @pytest.mark.slow
+def test_both_caches_run_through_one_tensor_core_loop():
+    """The decode kernel has one token-tile loop whatever the caches: with an extra cache the
+    SASS holds one loop with tensor-core instructions, as with the main cache alone (two loops,
+    one per cache, spilled ten times more in the second: chapter 3, v11)."""
+    from mla.kernels.mma import MMAConfig
+
+    cfg = MMAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
+    both, one = aot.report([aot.config_variant(90, cfg, loops=True),
+                            aot.config_variant(90, cfg, loops=True, has_extra=False)])
+    assert "error" not in both and "error" not in one, (both, one)
+    assert len(both["loops"]) == 1 and len(one["loops"]) == 1, (both["loops"], one["loops"])
+    loop = both["loops"][0]
+    assert loop["tensor_core"] > 0 and loop["instructions"] > loop["tensor_core"]
+    # the loop body is the same code with one cache or two, give or take the per-tile selects
+    assert abs(loop["instructions"] - one["loops"][0]["instructions"]) < 0.1 * loop["instructions"]
+
+
+def test_sass_loops_finds_backward_branches_with_tensor_core_work():
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   HGMMA.64x32x16.F32 R24, R0, gdesc[UR4], R24 ;
+        /*0020*/                   LDL R2, [R1] ;
+        /*0030*/                   STL [R1+0x4], R3 ;
+        /*0040*/               @P0 BRA `(.L_x_1) ;
+.L_x_2:
+        /*0050*/                   IADD3 R4, R4, 0x1, RZ ;
+        /*0060*/               @P1 BRA `(.L_x_2) ;
+        /*0070*/                   BRA `(.L_x_3) ;
+.L_x_3:
+        /*0080*/                   EXIT ;
+"""
+    assert aot.sass_loops(sass) == [{"instructions": 4, "tensor_core": 1, "spill_loads": 1, "spill_stores": 1}]
+
+
+@pytest.mark.slow
 def test_a_config_too_big_for_99kb_is_reported_as_not_fitting():
     """The check is not vacuous: two pipeline stages at BLOCK_N 64, h_q 64 need more than
     sm_120's 99 KB (the H200's shipped h_q-64 config would not fit there)."""

@@ -32,7 +32,7 @@ def _tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
     """Token tile ``ti`` of a query's list (the main cache's ``tiles1`` tiles, then the extra
     cache's): the cache it comes from and, per position, (valid, data row, scale row). The
     cache is picked per tile with scalar selects, so both caches run through one loop (one copy
-    of the loop body: a second loop for the extra cache spilled 10x more registers). With CLIP a
+    of the loop body: under Triton 3.6 a second loop for the extra cache spilled 10x more). With CLIP a
     tile at or past ``hi`` (the next split's) comes out all invalid, so the hand-prefetched loop's
     look-ahead past its range loads nothing."""
     ar = tl.arange(0, BLOCK_N)
