@@ -32,26 +32,23 @@ def _tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
     """Token tile ``ti`` of a query's list (the main cache's ``tiles1`` tiles, then the extra
     cache's): the cache it comes from and, per position, (valid, data row, scale row). The
     cache is picked per tile with scalar selects, so both caches run through one loop (one copy
-    of the loop body: under Triton 3.6 a second loop for the extra cache spilled 10x more). With CLIP a
-    tile at or past ``hi`` (the next split's) comes out all invalid, so the hand-prefetched loop's
-    look-ahead past its range loads nothing."""
-    ar = tl.arange(0, BLOCK_N)
+    of the loop body: under Triton 3.6 a second loop for the extra cache spilled 10x more).
+    With CLIP a tile at or past ``hi`` (the next split's) comes out all invalid, so the
+    hand-prefetched loop's look-ahead past its range loads nothing."""
     if HAS_EXTRA:
         main = ti < tiles1
         cache = tl.where(main, kc_ptr, ec_ptr)
+        idx_row = tl.where(main, idx_main, idx_extra)
+        t = tl.where(main, ti, ti - tiles1)
         n = tl.where(main, n1, n2)
-        if CLIP:
-            n = tl.where(ti < hi, n, 0)
-        valid, row, srow = token_rows(tl.where(main, idx_main, idx_extra),
-                                      tl.where(main, ti, ti - tiles1) * BLOCK_N + ar, n,
-                                      tl.where(main, kc_n, ec_n), tl.where(main, kc_P, ec_P),
-                                      tl.where(main, kc_stride, ec_stride))
+        n_tokens = tl.where(main, kc_n, ec_n)
+        P = tl.where(main, kc_P, ec_P)
+        stride = tl.where(main, kc_stride, ec_stride)
     else:
-        cache = kc_ptr
-        n = n1
-        if CLIP:
-            n = tl.where(ti < hi, n, 0)
-        valid, row, srow = token_rows(idx_main, ti * BLOCK_N + ar, n, kc_n, kc_P, kc_stride)
+        cache, idx_row, t, n, n_tokens, P, stride = kc_ptr, idx_main, ti, n1, kc_n, kc_P, kc_stride
+    if CLIP:
+        n = tl.where(ti < hi, n, 0)
+    valid, row, srow = token_rows(idx_row, t * BLOCK_N + tl.arange(0, BLOCK_N), n, n_tokens, P, stride)
     return cache, valid, row, srow
 
 
