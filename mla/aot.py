@@ -84,7 +84,8 @@ def _ptxas_usage(ptx: str, arch: int, want_sass: bool = False) -> tuple[int, int
     ``want_sass`` also the SASS of the assembled kernel (nvdisasm, next to ptxas)."""
     from triton.backends.nvidia.compiler import get_ptxas
 
-    ptxas = get_ptxas(arch).path if hasattr(get_ptxas(arch), "path") else get_ptxas(arch)[0]
+    tool = get_ptxas(arch)
+    ptxas = tool.path if hasattr(tool, "path") else tool[0]
     m = re.search(r"^\s*\.target\s+(sm_\w+)", ptx, re.M)      # e.g. sm_90a, sm_120a
     sm = m.group(1) if m else f"sm_{arch}"
     sass = None

@@ -879,7 +879,7 @@ __all__ = ["OUT_ABS", "OUT_REL", "LSE_ABS", "LSE_REL", "Closeness", "compare", "
            "CaseSpec", "cases", "quick_cases", "odd_cases", "benchmark_cases", "ODD_AXES", "sweep", "sweep_rows",
            "check",
            "summary", "table", "Report", "validate", "unreferenced_invariant", "BROKEN", "CORRECT_F32",
-           "ROW_COLUMNS"]
+           "ROW_COLUMNS", "graph_replay_check"]
 
 
 def graph_replay_check(case: dict, replays: int = 3, impl: str = "mma", invalid_frac: float = 0.05) -> dict:
