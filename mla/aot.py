@@ -43,8 +43,13 @@ def _compile_in_process(kernel_name: str, arch: int, constexprs: dict, num_warps
     from .kernels import mma as mma_mod
     from .kernels import simt as simt_mod
 
-    kernel = {"mma_decode_kernel": mma_mod.mma_decode_kernel,
-              "simt_decode_kernel": simt_mod.simt_decode_kernel}[kernel_name]
+    if kernel_name == "wgmma_decode_kernel":      # the Gluon sm_90 kernel: a Gluon source
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
+
+        from .kernels.wgmma import wgmma_decode_kernel as kernel
+    else:
+        kernel = {"mma_decode_kernel": mma_mod.mma_decode_kernel,
+                  "simt_decode_kernel": simt_mod.simt_decode_kernel}[kernel_name]
     sig, attrs = {}, {}
     constexprs = dict(constexprs)
     for i, name in enumerate(kernel.arg_names):      # constexprs left out take their defaults
@@ -181,8 +186,24 @@ def mma_variant(arch: int, block_h=64, block_n=64, num_warps=8, num_stages=1, ha
                            "P_SPLIT": p_split, "DV_HALVES": dv_halves}}
 
 
+def wgmma_variant(arch: int = 90, block_n=64, has_extra=True, partial=True, partial_fp16=True, maxnreg=0,
+                  asm: tuple = (), loops=False) -> dict:
+    """The Gluon sm_90 kernel's variant (:mod:`mla.kernels.wgmma`; sink and lengths on)."""
+    from .kernels.wgmma import NUM_WARPS
+
+    return {"kernel": "wgmma_decode_kernel", "arch": arch, "num_warps": NUM_WARPS, "num_stages": 1,
+            "maxnreg": maxnreg, "loops": loops, "asm": list(asm),
+            "types": {"po_ptr": "*fp16"} if partial_fp16 else {},
+            "constexprs": {"HAS_SINK": True, "HAS_LEN": True, "HAS_EXTRA": has_extra, "HAS_ELEN": has_extra,
+                           "PARTIAL": partial, "BLOCK_N": block_n}}
+
+
 def config_variant(arch: int, cfg, asm: tuple = (), loops: bool = False, has_extra: bool = True) -> dict:
-    """The decode kernel's variant for ``arch`` under an :class:`~mla.kernels.mma.MMAConfig`."""
+    """The decode kernel's variant for ``arch`` under an :class:`~mla.kernels.mma.MMAConfig`
+    (the Gluon kernel's for ``cfg.kernel == "wgmma"``)."""
+    if cfg.kernel == "wgmma":
+        return wgmma_variant(arch, block_n=cfg.block_n, has_extra=has_extra, partial_fp16=cfg.partial_fp16,
+                             maxnreg=cfg.maxnreg, asm=asm, loops=loops)
     return mma_variant(arch, block_h=cfg.block_h, block_n=cfg.block_n, num_warps=cfg.num_warps,
                        num_stages=cfg.num_stages, tokens_as_m=cfg.tokens_as_m, prefetch=cfg.prefetch,
                        p_split=cfg.p_split, dot={"fp16": "float16", "bf16": "bfloat16"}[cfg.dot],
@@ -193,12 +214,15 @@ def config_variant(arch: int, cfg, asm: tuple = (), loops: bool = False, has_ext
 def shipped_variants(arch: int) -> list[dict]:
     """Every config that ``mla`` may launch on ``arch``: its generic table, plus the shipped
     tables of GPUs of that architecture (the H200 file for sm_90), each with the variant
-    :func:`~mla.kernels.mma.fill_small_grid` launches for a small grid."""
+    :func:`~mla.kernels.mma.fill_small_grid` launches for a small grid, and on sm_90 the Gluon
+    kernel's configs (:func:`mla.configs.hopper_for`)."""
     from . import configs
 
     tables = [configs.generic(arch)]
     if arch == 90:
         tables.append(configs.table_for("NVIDIA H200", "3.6", 90)[1])
+        hop = (configs.generic_hopper(90), configs.hopper_for("NVIDIA H200", "3.6", 90))
+        tables.append({i: c for i, c in enumerate(hop) if c is not None})
     from .kernels.mma import fill_small_grid
 
     seen, out = set(), []

@@ -313,6 +313,10 @@ def run(shapes=None, impls=IMPL_NAMES, out_dir="results", name="bench", pool_byt
             runs = [time_graph(case, fn, replays=5 if slow else 20) for _ in range(max(1, repeat))]
             us_e = time_eager(case, fn) if eager and not slow else None
             rec = record(s, impl, statistics.median(runs), us_e, ceil)
+            if impl == "mma":             # which kernel the launch rule picked for this shape
+                from .kernels.mma import launch_config
+
+                rec["kernel"] = launch_config(s.b, s.s_q, s.h_q, s.topk + s.extra_topk, dev).kernel
             if len(runs) > 1:
                 rec["us_graph_runs"] = [round(x, 2) for x in runs]
             records.append(rec)

@@ -147,6 +147,10 @@ def sweep(ceil, results):
         csa = [Shape("V4-CSA", b, 1, 64, 128, 256, 512, 64) for b in (1, 2, 4, 8)]
         tp8 = [Shape("V4-TP8", b, 1, 8, 128, 256, 512, 64) for b in (1, 4)]
         plan = [(s, h64) for s in dsa + csa] + [(s, h16) for s in tp8]
+    elif os.environ.get("PLAN") == "all":
+        plan = [(s, h16 if s.h_q <= 16 else h64) for s in bench.spec_shapes()]
+    elif os.environ.get("PLAN") == "big":
+        plan = [(Shape("DSA", 128, 1, 64, 2048, 64), h64), (Shape("V4-CSA", 128, 1, 64, 128, 256, 512, 64), h64)]
     elif os.environ.get("PLAN") == "mid":
         plan = [(Shape("DSA", b, 1, 64, 2048, 64), h64) for b in (8, 32, 64)]
         plan += [(Shape("V4-CSA", 32, 1, 64, 128, 256, 512, 64), h64), (Shape("V4-TP8", 32, 1, 8, 128, 256, 512, 64), h16)]
@@ -186,6 +190,8 @@ def sweep(ceil, results):
     for (bucket, cfg), sc in score.items():
         if bucket not in best or sc < best[bucket][1]:
             best[bucket] = (cfg, sc)
+    if 16 not in best or 64 not in best:
+        return None
     table = {16: best[16][0], 32: dataclasses.replace(best[16][0], block_h=32), 64: best[64][0], 128: best[64][0]}
     path = OUT / "h200.json"
     configs.write(path, torch.cuda.get_device_name(), __import__("triton").__version__, table,
@@ -216,8 +222,11 @@ def main():
     results["ceilings"] = ceil
     say("ceilings", ceil)
     if "sweep" in phases:
-        os.environ["MLA_CONFIG_FILE"] = str(sweep(ceil, results))
-        configs.table_for.cache_clear()
+        path = sweep(ceil, results)
+        if path:
+            os.environ["MLA_CONFIG_FILE"] = str(path)
+            configs.table_for.cache_clear()
+            configs.hopper_for.cache_clear()
     results["provenance"] = bench.provenance(ceil)
     (OUT / "device_mma.json").write_text(json.dumps(results, indent=1))
     if "correct_cfg" in phases:

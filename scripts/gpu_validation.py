@@ -11,7 +11,9 @@ many specializations the odd shapes need in parallel; a case that crashes is a f
 its message; cases not started before the time budget ends are listed as skipped (and
 ``summary.complete`` is false). ``informational`` holds runs that are expected to fail and are
 not counted: the MMA kernel with bf16 tensor-core operands (P rounded to 2**-8), and a range
-probe with |q| beyond the fp16 range.
+probe with |q| beyond the fp16 range. "mma" is what a serving call runs (the launch rule picks
+the kernel per call); "mma-tl" and "mma-wgmma" force one kernel on every case: the portable
+tl.dot kernel with its shipped configs, and on sm_90 the Gluon kernel.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-COUNTED = ("reference", "simt", "mma")           # "reference" = mla.sparse_decode(impl="reference"), fp32
+COUNTED = ("reference", "simt", "mma", "mma-tl", "mma-wgmma")   # "reference": impl="reference", fp32
 INFO_IMPLS = ("mma-bf16",)
 
 
@@ -42,10 +44,28 @@ def _mma_bf16(q, k_cache, indices, **kw):
     return mma_sparse_decode(q, k_cache, indices, **kw, config=cfg)
 
 
+def _mma_tl(q, k_cache, indices, **kw):
+    """The portable tl.dot kernel, shipped config (two programs per head block on small grids)."""
+    from mla.kernels.mma import default_config, fill_small_grid, mma_sparse_decode, sm_count
+
+    b, s_q, h_q, _ = q.shape
+    total = indices.shape[-1] + (kw["extra_indices"].shape[-1] if kw.get("extra_k_cache") is not None else 0)
+    cfg = fill_small_grid(default_config(h_q, q.device), b, s_q, h_q, total, sm_count(q.device))
+    return mma_sparse_decode(q, k_cache, indices, **kw, config=cfg)
+
+
+def _mma_wgmma(q, k_cache, indices, **kw):
+    """The Gluon sm_90 kernel on every case, whatever the grid."""
+    from mla.kernels.mma import MMAConfig, mma_sparse_decode
+
+    return mma_sparse_decode(q, k_cache, indices, **kw, config=MMAConfig(kernel="wgmma"))
+
+
 def _impls(names):
     import mla
 
-    return {n: (_mma_bf16 if n == "mma-bf16" else functools.partial(mla.sparse_decode, impl=n)) for n in names}
+    forced = {"mma-bf16": _mma_bf16, "mma-tl": _mma_tl, "mma-wgmma": _mma_wgmma}
+    return {n: forced.get(n) or functools.partial(mla.sparse_decode, impl=n) for n in names}
 
 
 def _jsonable(v):
@@ -101,12 +121,17 @@ def _split(specs, workers):
 
 
 def graph_replay_check():
-    """The MMA call captured once in a CUDA graph, replayed over new index sets, each checked."""
+    """The MMA call captured once in a CUDA graph, replayed over new index sets, each checked: a
+    small grid (b 4, the tl.dot kernel) and one that fills the GPU (b 32, on sm_90 the Gluon
+    kernel)."""
     import mla.validate as mv
 
-    case = mv.make_case(b=4, s_q=1, h_q=64, topk=512, page=64, num_blocks=256, extra_topk=64, extra_page=64,
-                        device="cuda", seed=11, invalid_frac=0.05)
-    return mv.graph_replay_check(case)
+    runs = {}
+    for b in (4, 32):
+        case = mv.make_case(b=b, s_q=1, h_q=64, topk=512, page=64, num_blocks=256, extra_topk=64, extra_page=64,
+                            device="cuda", seed=11, invalid_frac=0.05)
+        runs[f"b{b}"] = mv.graph_replay_check(case)
+    return {"ok": all(r["ok"] for r in runs.values()), "runs": runs}
 
 
 def _safe_summary(rows):
@@ -148,15 +173,18 @@ def main(argv=None) -> int:
                                   q_scale=3e4, sink_inf=False, seed=400))
     info_specs = [dataclasses.replace(s, name="info: " + s.name) for s in info_specs]
     w = max(1, a.workers)
-    jobs = [(sp, COUNTED, deadline, not a.no_leak_check, i, a.device)
+    counted_impls = COUNTED
+    if not (on_gpu and torch.cuda.get_device_capability() == (9, 0)):     # the Gluon kernel is sm_90 only
+        counted_impls = tuple(n for n in COUNTED if n != "mma-wgmma")
+    jobs = [(sp, counted_impls, deadline, not a.no_leak_check, i, a.device)
             for i, sp in enumerate(_split(bench_specs + odd_specs, w))]
     jobs += [(sp, INFO_IMPLS + ("mma",), deadline, False, w + i, a.device) for i, sp in enumerate(_split(info_specs, 2))]
-    print(f"{len(bench_specs)} benchmark + {len(odd_specs)} odd cases x {COUNTED}, {len(info_specs)} informational; "
+    print(f"{len(bench_specs)} benchmark + {len(odd_specs)} odd cases x {counted_impls}, {len(info_specs)} informational; "
           f"{w} workers", flush=True)
     results = _run_pool([j for j in jobs if j[0]], w)
     rows, info_rows, skipped, info_skipped = [], [], [], []
     for job, (r, sk) in zip([j for j in jobs if j[0]], results):
-        counted = job[1] == COUNTED
+        counted = job[1] == counted_impls
         (rows if counted else info_rows).extend(r)
         (skipped if counted else info_skipped).extend(sk)
     kind = {s.name: "benchmark" for s in bench_specs} | {s.name: "odd" for s in odd_specs}

@@ -55,6 +55,25 @@ def test_both_caches_run_through_one_tensor_core_loop():
     assert abs(loop["instructions"] - one["loops"][0]["instructions"]) < 0.1 * loop["instructions"]
 
 
+@pytest.mark.slow
+def test_the_gluon_kernel_computes_s_once_in_one_loop_without_spills():
+    """The sm_90 Gluon kernel (mla.kernels.wgmma): one token-tile loop, no spill traffic in it,
+    and 36 wgmma instructions per warp per tile: S = Q.K^T as 512/16 = 32 instructions of N =
+    BLOCK_N/2 (each warpgroup computes its half of the tile's columns) and P.V as 64/16 = 4
+    instructions of N = 256 (its half of the output). The tl.dot kernel issues 72, both
+    warpgroups computing all of S."""
+    from mla.kernels.mma import MMAConfig
+
+    gl_cfg, tl_cfg = MMAConfig(kernel="wgmma"), MMAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
+    ours, theirs = aot.report([aot.config_variant(90, gl_cfg, loops=True), aot.config_variant(90, tl_cfg, loops=True)])
+    assert "error" not in ours and "error" not in theirs, (ours, theirs)
+    assert ours["fits"] and ours["shared"] <= aot.SMEM_LIMIT[90]
+    (loop,) = ours["loops"]
+    assert loop["tensor_core"] == 32 + 4, loop
+    assert loop["spill_loads"] == 0 and loop["spill_stores"] == 0, loop
+    assert theirs["loops"][0]["tensor_core"] > loop["tensor_core"], theirs["loops"]
+
+
 def test_sass_loops_finds_backward_branches_with_tensor_core_work():
     sass = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;

@@ -29,8 +29,24 @@ def test_kernels_on_gpu(impl, name):
     assert lse_ok.ok, str(lse_ok)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_gluon_kernel_on_gpu(name, splits):
+    """The sm_90 Gluon kernel, forced (the launch rule picks it only for grids that fill the GPU)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is for sm_90")
+    from mla.kernels.mma import MMAConfig, mma_sparse_decode
+
+    case = make_case(**SHAPES[name], device="cuda", seed=len(name))
+    fn = functools.partial(mma_sparse_decode, config=MMAConfig(kernel="wgmma"), splits=splits)
+    out_ok, lse_ok = run_case(fn, case)
+    assert out_ok.ok, str(out_ok)
+    assert lse_ok.ok, str(lse_ok)
+
+
 def test_mma_is_captured_in_a_cuda_graph_and_replayed_over_new_indices():
-    case = make_case(b=4, s_q=1, h_q=64, topk=512, page=64, num_blocks=256, device="cuda", seed=1, invalid_frac=0.0)
+    # b 16 x 8 tiles = 128 programs: on an H200 the launch rule picks the Gluon kernel
+    case = make_case(b=16, s_q=1, h_q=64, topk=512, page=64, num_blocks=256, device="cuda", seed=1, invalid_frac=0.0)
     res = mla.validate.graph_replay_check(case, replays=3)
     assert res["ok"], res
 

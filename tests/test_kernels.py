@@ -81,6 +81,40 @@ def test_mma_rejects_a_bad_register_cap(maxnreg):
         mma_sparse_decode(**case, config=MMAConfig(block_h=16, block_n=16, num_warps=4, maxnreg=maxnreg))
 
 
+def test_the_gluon_kernel_is_refused_off_hopper_with_a_clear_error():
+    case = make_case(b=1, s_q=1, h_q=4, topk=8, page=8, device="cpu", seed=1)
+    with pytest.raises(ValueError, match="sm_90"):
+        mma_sparse_decode(**case, config=MMAConfig(kernel="wgmma"))
+    with pytest.raises(ValueError, match="kernel must be"):
+        mma_sparse_decode(**case, config=MMAConfig(kernel="cuda"))
+
+
+def test_launch_config_runs_the_gluon_kernel_only_on_grids_that_fill_a_hopper_gpu(monkeypatch):
+    """The launch rule, with the GPU facts stubbed: on an sm_90 GPU (132 SMs) whose config file
+    names a Gluon config, a grid that fills the GPU runs it; a small grid keeps the tl.dot kernel
+    (split P.V at h_q 64, measured faster at b = 1); no Gluon config (another GPU) means tl.dot."""
+    from mla import configs
+    from mla.kernels import mma as mma_mod
+
+    tl64 = MMAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
+    tl16 = MMAConfig(block_h=16, block_n=64, num_warps=8)
+    hop = MMAConfig(kernel="wgmma")
+    monkeypatch.setattr(mma_mod._runtime, "INTERPRET", False)
+    monkeypatch.setattr(mma_mod, "default_config", lambda h_q, dev: (tl16 if h_q <= 16 else tl64).for_heads(h_q))
+    monkeypatch.setattr(mma_mod, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(configs, "hopper", lambda dev: hop)
+    cuda = torch.device("cuda", 0)
+    assert mma_mod.launch_config(1, 1, 64, 2048, cuda) == fill_small_grid(tl64, 1, 1, 64, 2048, 132)
+    assert mma_mod.launch_config(1, 1, 64, 2048, cuda).dv_halves == 2
+    assert mma_mod.launch_config(8, 1, 64, 2048, cuda) == hop              # DSA b 8: 256 programs
+    assert mma_mod.launch_config(1, 1, 8, 640, cuda) == tl16               # V4-TP8 b 1: 10 programs
+    assert mma_mod.launch_config(32, 1, 8, 640, cuda) == hop               # heads padded to 64 inside
+    assert mma_mod.launch_config(8, 1, 128, 640, cuda) == hop              # 8 x 2 head blocks x 10 tiles
+    assert mma_mod.launch_config(2, 1, 128, 640, cuda).kernel == "tl"     # 40 programs
+    monkeypatch.setattr(configs, "hopper", lambda dev: None)
+    assert mma_mod.launch_config(8, 1, 64, 2048, cuda) == tl64
+
+
 def test_fill_small_grid_splits_head_blocks_only_when_the_grid_is_small():
     h64 = MMAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
     # DSA (topk 2048 = 32 tiles): 32 or 64 programs at b 1 or 2 fill under half of 132 SMs

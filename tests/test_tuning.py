@@ -261,6 +261,20 @@ def test_table_for_h200_reads_the_shipped_file_and_unknown_gpu_gets_generic(monk
     configs.table_for.cache_clear()
 
 
+def test_hopper_config_comes_from_the_shipped_file_or_the_sm90_default(monkeypatch):
+    monkeypatch.delenv("MLA_CONFIG_FILE", raising=False)
+    configs.table_for.cache_clear()
+    configs.hopper_for.cache_clear()
+    shipped = json.loads((pathlib.Path(configs.__file__).with_name("h200.json")).read_text())
+    h200 = configs.hopper_for("NVIDIA H200", "3.6", 90)
+    assert h200 == mma.MMAConfig(**shipped["hopper"]) and h200.kernel == "wgmma"
+    assert configs.hopper_for("NVIDIA H100 80GB HBM3", "3.6", 90) == configs.generic_hopper(90)
+    assert configs.hopper_for("NVIDIA GeForce RTX 5090", "3.6", 120) is None
+    assert configs.hopper_for("NVIDIA A100-SXM4-80GB", "3.6", 80) is None
+    configs.table_for.cache_clear()
+    configs.hopper_for.cache_clear()
+
+
 def test_serving_call_never_autotunes(device, monkeypatch):
     assert tuning.find_autotuner(mma.mma_decode_kernel) is None
     assert tuning.find_autotuner(mma.combine_kernel) is None

@@ -2,8 +2,11 @@
 (the way vLLM and SGLang ship tuned configs). Serving calls read them; they never autotune.
 
 A file ``<slug>.json`` holds ``{"gpu": "NVIDIA H200", "triton": "3.6", "measured": "...",
-"configs": {"16": {...}, "32": {...}, "64": {...}, "128": {...}}}``: one MMAConfig per bucket of
-h_q (the smallest bucket >= h_q applies). Set ``MLA_CONFIG_FILE`` to use another file.
+"configs": {"16": {...}, "32": {...}, "64": {...}, "128": {...}}, "hopper": {...}}``: one MMAConfig
+of the portable ``tl.dot`` kernel per bucket of h_q (the smallest bucket >= h_q applies), and,
+for a Hopper GPU, the config of the Gluon sm_90 kernel (:mod:`mla.kernels.wgmma`) that
+:func:`mla.kernels.mma.launch_config` launches instead when the grid fills the GPU. Set
+``MLA_CONFIG_FILE`` to use another file.
 """
 from __future__ import annotations
 
@@ -33,6 +36,13 @@ def generic(arch: int = 90) -> dict:
     bh = 64 if arch in (80, 90) else 32
     return {16: MMAConfig(block_h=16, block_n=64, num_warps=8), 32: MMAConfig(block_h=32, block_n=bn, num_warps=8),
             64: MMAConfig(block_h=bh, block_n=bn), 128: MMAConfig(block_h=bh, block_n=bn)}
+
+
+def generic_hopper(arch: int = 90):
+    """The Gluon kernel's config on a Hopper GPU with no shipped file (sm_90 only), else None."""
+    from ..kernels.mma import MMAConfig
+
+    return MMAConfig(kernel="wgmma", block_h=64, block_n=64, num_warps=8, num_stages=1) if arch == 90 else None
 
 
 def _files():
@@ -67,6 +77,24 @@ def table_for(gpu_name: str, triton_version: str, arch: int = 90):
     return f.name, table
 
 
+@functools.lru_cache(maxsize=None)
+def hopper_for(gpu_name: str, triton_version: str, arch: int = 90):
+    """The Gluon sm_90 kernel's config for this GPU (its shipped file's ``hopper`` entry, or the
+    generic one on any sm_90 GPU), or None: not sm_90, or a shipped file that names none."""
+    from ..kernels.mma import MMAConfig
+
+    if arch != 90:
+        return None
+    src, _ = table_for(gpu_name, triton_version, arch)
+    if src == "generic":
+        return generic_hopper(arch)
+    for f in _files():
+        if f.name == src:
+            entry = json.loads(f.read_text()).get("hopper")
+            return MMAConfig(**entry) if entry else None
+    return None
+
+
 def lookup(h_q: int, device: torch.device):
     """The MMAConfig for h_q on this device."""
     import triton
@@ -80,6 +108,14 @@ def lookup(h_q: int, device: torch.device):
     return table[max(table)]
 
 
+def hopper(device: torch.device):
+    """The Gluon sm_90 kernel's config on this device, or None."""
+    import triton
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return hopper_for(torch.cuda.get_device_name(device), triton.__version__, 10 * major + minor)
+
+
 def source(device=None) -> str:
     """Which table serves this device: a shipped file's name, or "generic"."""
     import triton
@@ -88,11 +124,16 @@ def source(device=None) -> str:
     return table_for(torch.cuda.get_device_name(device), triton.__version__, 10 * major + minor)[0]
 
 
-def write(path, gpu_name: str, triton_version: str, table: dict, measured: str = "") -> None:
-    """Write a config file in the shipped format (``table``: bucket -> MMAConfig)."""
+def write(path, gpu_name: str, triton_version: str, table: dict, measured: str = "", hopper_cfg=None) -> None:
+    """Write a config file in the shipped format (``table``: bucket -> MMAConfig; ``hopper_cfg``:
+    the Gluon sm_90 kernel's MMAConfig, if any)."""
     import dataclasses
 
+    def fields(c):
+        return {f: v for f, v in dataclasses.asdict(c).items() if f != "ablate"}
+
     data = {"gpu": gpu_name, "triton": ".".join(triton_version.split(".")[:2]), "measured": measured,
-            "configs": {str(k): {f: v for f, v in dataclasses.asdict(c).items() if f != "ablate"}
-                        for k, c in sorted(table.items())}}
+            "configs": {str(k): fields(c) for k, c in sorted(table.items())}}
+    if hopper_cfg is not None:
+        data["hopper"] = fields(hopper_cfg)
     pathlib.Path(path).write_text(json.dumps(data, indent=1) + "\n")

@@ -12,6 +12,7 @@ contiguous range of token tiles of that list. With one split the kernel writes t
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -323,10 +324,14 @@ class MMAConfig:
     dv_halves: int = 1         # 2: two programs per head block, each owning 256 output columns
     partial_fp16: bool = True  # split partial outputs stored as fp16 (half the traffic of fp32)
     maxnreg: int = 0           # registers per thread ptxas may use (0: its own choice, up to 255)
+    kernel: str = "tl"         # "tl": the portable tl.dot kernel; "wgmma": the Gluon sm_90 kernel (mla.kernels.wgmma)
 
     def for_heads(self, h_q: int) -> "MMAConfig":
         """BLOCK_H never exceeds h_q rounded up to a power of two, and never drops below 16
-        (the smallest M of a tensor-core dot): heads are padded inside the kernel."""
+        (the smallest M of a tensor-core dot): heads are padded inside the kernel. The wgmma
+        kernel's head block is always 64 (one warpgroup's M)."""
+        if self.kernel == "wgmma":
+            return dataclasses.replace(self, block_h=64)
         return dataclasses.replace(self, block_h=max(16, min(self.block_h, triton.next_power_of_2(h_q))))
 
 
@@ -370,18 +375,56 @@ def num_splits(b: int, s_q: int, h_q: int, topk_total: int, cfg: MMAConfig, sms:
     return best
 
 
-def fill_small_grid(cfg: MMAConfig, b: int, s_q: int, h_q: int, topk_total: int, sms: int) -> MMAConfig:
-    """The default config, adjusted for a grid too small to fill the GPU: when even one token
-    tile per program gives fewer than half as many programs as SMs, and the head block is 64,
-    use two programs per head block (``dv_halves=2``, one warpgroup each). Each repeats S = Q.K^T
-    but owns half of P.V, so twice as many SMs work on the same query. At larger grids the
-    repeated Q.K^T and the 4-warp programs cost more than they gain (results/h200/mma_versions.json)."""
-    if cfg.dv_halves != 1 or cfg.block_h != 64 or cfg.tokens_as_m or cfg.p_split:
-        return cfg
+def small_grid(cfg: MMAConfig, b: int, s_q: int, h_q: int, topk_total: int, sms: int) -> bool:
+    """Whether even one token tile per program gives fewer than half as many programs as SMs."""
     programs = b * s_q * triton.cdiv(h_q, cfg.block_h) * max(1, triton.cdiv(topk_total, cfg.block_n))
-    if 2 * programs > sms:
+    return 2 * programs <= sms
+
+
+def fill_small_grid(cfg: MMAConfig, b: int, s_q: int, h_q: int, topk_total: int, sms: int) -> MMAConfig:
+    """The default config, adjusted for a grid too small to fill the GPU (:func:`small_grid`):
+    when the head block is 64, use two programs per head block (``dv_halves=2``, one warpgroup
+    each). Each repeats S = Q.K^T but owns half of P.V, so twice as many SMs work on the same
+    query. At larger grids the repeated Q.K^T and the 4-warp programs cost more than they gain
+    (results/h200/mma_versions.json)."""
+    if cfg.dv_halves != 1 or cfg.block_h != 64 or cfg.tokens_as_m or cfg.p_split or cfg.kernel != "tl":
+        return cfg
+    if not small_grid(cfg, b, s_q, h_q, topk_total, sms):
         return cfg
     return dataclasses.replace(cfg, dv_halves=2, num_warps=4, num_stages=1)
+
+
+def launch_config(b: int, s_q: int, h_q: int, topk_total: int, device: torch.device) -> MMAConfig:
+    """The config that a call with no explicit ``config`` launches.
+
+    A grid that fills the GPU on a Hopper GPU (sm_90) runs the Gluon kernel
+    (:mod:`mla.kernels.wgmma`, config from :func:`mla.configs.hopper`). Anything else runs the
+    portable ``tl.dot`` kernel with the shipped config for h_q, two programs per head block when
+    the grid is small (:func:`fill_small_grid`). Measured on the H200
+    (results/h200/mma_sweep_r14.json): the Gluon kernel is 1.3 to 1.6x faster from b = 8 (DSA)
+    and b = 32 (V4) up, and 3 to 19% slower at b = 1, where the tl.dot kernel's split of P.V
+    over two programs is worth more than the Gluon kernel's overlap."""
+    cfg = default_config(h_q, device)
+    if _runtime.INTERPRET or device.type != "cuda":
+        return cfg
+    sms = sm_count(device)
+    if small_grid(cfg, b, s_q, h_q, topk_total, sms):
+        return fill_small_grid(cfg, b, s_q, h_q, topk_total, sms)
+    from .. import configs
+
+    hop = configs.hopper(device)
+    return hop.for_heads(h_q) if hop is not None and gluon_hopper_available() else cfg
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_hopper_available() -> bool:
+    """Whether this Triton has Gluon's Hopper module (Triton 3.5 and newer), which the sm_90
+    kernel is written in."""
+    try:
+        from . import wgmma  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, topk_length=None,
@@ -390,15 +433,22 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
     """Launch the MMA kernel (and the combine when split). Arguments as :func:`mla.sparse_decode`."""
     b, s_q, h_q, _ = q.shape
     dev = q.device
-    cfg = (config or default_config(h_q, dev)).for_heads(h_q)
     topk_total = indices.shape[-1] + (extra_indices.shape[-1] if extra_k_cache is not None else 0)
-    if config is None and not _runtime.INTERPRET:
-        cfg = fill_small_grid(cfg, b, s_q, h_q, topk_total, sm_count(dev))
+    cfg = config.for_heads(h_q) if config is not None else launch_config(b, s_q, h_q, topk_total, dev)
     if cfg.dv_halves not in (1, 2) or (cfg.dv_halves == 2 and (cfg.tokens_as_m or cfg.p_split)):
         raise ValueError(f"config: dv_halves must be 1 or 2, and 2 does not combine with tokens_as_m or "
                          f"p_split; got {cfg}")
     if not (cfg.maxnreg == 0 or 16 <= cfg.maxnreg <= 255):
         raise ValueError(f"config: maxnreg must be 0 (no cap) or 16..255 registers per thread; got {cfg.maxnreg}")
+    if cfg.kernel not in ("tl", "wgmma"):
+        raise ValueError(f"config: kernel must be 'tl' or 'wgmma'; got {cfg.kernel!r}")
+    if cfg.kernel == "wgmma" and (_runtime.INTERPRET or dev.type != "cuda"
+                                  or torch.cuda.get_device_capability(dev) != (9, 0)):
+        raise ValueError("config: kernel='wgmma' is the Gluon sm_90 kernel: it needs a Hopper GPU (sm_90, not "
+                         f"the interpreter); this device is {dev}")
+    if cfg.kernel == "wgmma" and cfg.block_n not in (32, 64):
+        raise ValueError(f"config: the wgmma kernel takes block_n 32 or 64 (two tile buffers beside Q in shared "
+                         f"memory); got {cfg.block_n}")
     scale = D_QK ** -0.5 if softmax_scale is None else float(softmax_scale)
     q = q.contiguous()
     indices = indices.contiguous()
@@ -421,19 +471,32 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
     else:
         po = plse = lse
     sink = attn_sink if attn_sink is not None else lse
-    mma_decode_kernel[(n_hb * cfg.dv_halves, ns, b * s_q)](
-        q, out, lse, sink, po, plse,
-        kc, kst, kp, kn, indices, topk, topk_length if topk_length is not None else indices,
-        ec, est, ep, en, eidx, etopk, extra_topk_length if extra_topk_length is not None else indices,
-        s_q, h_q, scale * LOG2E, ns,
-        HAS_SINK=attn_sink is not None, HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra,
-        HAS_ELEN=extra_topk_length is not None, PARTIAL=ns > 1,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, FP8_NATIVE=fp8_native(dev) if cfg.fp8 == "auto" else cfg.fp8 == "native",
-        DOT=_runtime.dot_dtype() if _runtime.INTERPRET else _DOT_TYPES[cfg.dot],
-        TOKENS_AS_M=cfg.tokens_as_m, PREFETCH=cfg.prefetch,
-        P_SPLIT=cfg.p_split and not _runtime.INTERPRET, ABLATE=cfg.ablate, DV_HALVES=cfg.dv_halves,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
-    )
+    if cfg.kernel == "wgmma":
+        from .wgmma import NUM_WARPS, wgmma_decode_kernel
+
+        wgmma_decode_kernel[(n_hb, ns, b * s_q)](
+            q, out, lse, sink, po, plse,
+            kc, kst, kp, kn, indices, topk, topk_length if topk_length is not None else indices,
+            ec, est, ep, en, eidx, etopk, extra_topk_length if extra_topk_length is not None else indices,
+            s_q, h_q, scale * LOG2E, ns,
+            HAS_SINK=attn_sink is not None, HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra,
+            HAS_ELEN=extra_topk_length is not None, PARTIAL=ns > 1, BLOCK_N=cfg.block_n, ABLATE=cfg.ablate,
+            num_warps=NUM_WARPS, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+        )
+    else:
+        mma_decode_kernel[(n_hb * cfg.dv_halves, ns, b * s_q)](
+            q, out, lse, sink, po, plse,
+            kc, kst, kp, kn, indices, topk, topk_length if topk_length is not None else indices,
+            ec, est, ep, en, eidx, etopk, extra_topk_length if extra_topk_length is not None else indices,
+            s_q, h_q, scale * LOG2E, ns,
+            HAS_SINK=attn_sink is not None, HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra,
+            HAS_ELEN=extra_topk_length is not None, PARTIAL=ns > 1,
+            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, FP8_NATIVE=fp8_native(dev) if cfg.fp8 == "auto" else cfg.fp8 == "native",
+            DOT=_runtime.dot_dtype() if _runtime.INTERPRET else _DOT_TYPES[cfg.dot],
+            TOKENS_AS_M=cfg.tokens_as_m, PREFETCH=cfg.prefetch,
+            P_SPLIT=cfg.p_split and not _runtime.INTERPRET, ABLATE=cfg.ablate, DV_HALVES=cfg.dv_halves,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+        )
     if ns > 1:
         bhc = 1
         combine_kernel[(b * s_q, triton.cdiv(h_q, bhc))](
