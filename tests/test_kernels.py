@@ -89,6 +89,19 @@ def test_the_gluon_kernel_is_refused_off_hopper_with_a_clear_error():
         mma_sparse_decode(**case, config=MMAConfig(kernel="cuda"))
 
 
+@pytest.mark.parametrize("field", [dict(block_n=128), dict(num_warps=4), dict(dot="bf16"), dict(prefetch=True),
+                                   dict(dv_halves=2), dict(fp8="int"), dict(num_stages=2)])
+def test_the_gluon_kernel_refuses_settings_it_does_not_have(field, monkeypatch):
+    """Fields of MMAConfig that only the tl.dot kernel has are refused, not silently ignored (the
+    check runs before the device check, so it is reachable on the CPU)."""
+    from mla.kernels import mma as mma_mod
+
+    monkeypatch.setattr(mma_mod._runtime, "INTERPRET", False)
+    case = make_case(b=1, s_q=1, h_q=4, topk=8, page=8, device="cpu", seed=1)
+    with pytest.raises(ValueError, match="the wgmma kernel takes"):
+        mma_sparse_decode(**case, config=MMAConfig(kernel="wgmma", **field))
+
+
 def test_launch_config_runs_the_gluon_kernel_only_on_grids_that_fill_a_hopper_gpu(monkeypatch):
     """The launch rule, with the GPU facts stubbed: on an sm_90 GPU (132 SMs) whose config file
     names a Gluon config, a grid that fills the GPU runs it; a small grid keeps the tl.dot kernel

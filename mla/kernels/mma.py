@@ -442,13 +442,18 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
         raise ValueError(f"config: maxnreg must be 0 (no cap) or 16..255 registers per thread; got {cfg.maxnreg}")
     if cfg.kernel not in ("tl", "wgmma"):
         raise ValueError(f"config: kernel must be 'tl' or 'wgmma'; got {cfg.kernel!r}")
+    if cfg.kernel == "wgmma":
+        fixed = dict(num_warps=8, num_stages=1, dot="fp16", tokens_as_m=False, prefetch=False, p_split=False,
+                     dv_halves=1)
+        off = {k: getattr(cfg, k) for k, v in fixed.items() if getattr(cfg, k) != v}
+        if cfg.block_n not in (32, 64) or cfg.fp8 == "int" or off:
+            raise ValueError(f"config: the wgmma kernel takes block_n 32 or 64 (two tile buffers beside Q in "
+                             f"shared memory), native fp8 and {fixed}; got block_n={cfg.block_n}, fp8={cfg.fp8!r}"
+                             + (f", {off}" if off else ""))
     if cfg.kernel == "wgmma" and (_runtime.INTERPRET or dev.type != "cuda"
                                   or torch.cuda.get_device_capability(dev) != (9, 0)):
         raise ValueError("config: kernel='wgmma' is the Gluon sm_90 kernel: it needs a Hopper GPU (sm_90, not "
                          f"the interpreter); this device is {dev}")
-    if cfg.kernel == "wgmma" and cfg.block_n not in (32, 64):
-        raise ValueError(f"config: the wgmma kernel takes block_n 32 or 64 (two tile buffers beside Q in shared "
-                         f"memory); got {cfg.block_n}")
     scale = D_QK ** -0.5 if softmax_scale is None else float(softmax_scale)
     q = q.contiguous()
     indices = indices.contiguous()
