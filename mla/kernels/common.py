@@ -56,6 +56,28 @@ def token_rows(idx_row_ptr, offs, n, n_tokens, P, page_stride):
 
 
 @triton.jit
+def tile_source(ti, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra,
+                n2, HAS_EXTRA: tl.constexpr):
+    """Where token tile ``ti`` of a query's list comes from (the main cache's ``tiles1`` tiles,
+    then the extra cache's): (cache, index row, tile number in that cache, its valid length,
+    tokens, page size, page stride), picked with scalar selects so that both caches run through
+    one loop. Shared by the ``tl.dot`` and the Gluon kernels (scalar code, so it compiles under
+    either)."""
+    if HAS_EXTRA:
+        main = ti < tiles1
+        cache = tl.where(main, kc_ptr, ec_ptr)
+        idx_row = tl.where(main, idx_main, idx_extra)
+        t = tl.where(main, ti, ti - tiles1)
+        n = tl.where(main, n1, n2)
+        n_tokens = tl.where(main, kc_n, ec_n)
+        P = tl.where(main, kc_P, ec_P)
+        stride = tl.where(main, kc_stride, ec_stride)
+    else:
+        cache, idx_row, t, n, n_tokens, P, stride = kc_ptr, idx_main, ti, n1, kc_n, kc_P, kc_stride
+    return cache, idx_row, t, n, n_tokens, P, stride
+
+
+@triton.jit
 def load_raw(cache_ptr, row, srow, valid, T0: tl.constexpr, NT: tl.constexpr):
     """Issue the loads of tiles ``T0 .. T0+NT-1`` of a token tile, without decoding them:
     FP8 bytes ``[BLOCK_N, NT, 64]``, UE8M0 bytes ``[BLOCK_N, NT]`` and, when tile 7 is among

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .. import _runtime
 from ..layout import D_QK
-from .common import cache_args, dequant, fp8_native, load_raw, load_token_tile, token_rows
+from .common import cache_args, dequant, fp8_native, load_raw, load_token_tile, tile_source, token_rows
 
 LOG2E = 1.4426950408889634
 
@@ -36,17 +36,8 @@ def _tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
     of the loop body: under Triton 3.6 a second loop for the extra cache spilled 10x more).
     With CLIP a tile at or past ``hi`` (the next split's) comes out all invalid, so the
     hand-prefetched loop's look-ahead past its range loads nothing."""
-    if HAS_EXTRA:
-        main = ti < tiles1
-        cache = tl.where(main, kc_ptr, ec_ptr)
-        idx_row = tl.where(main, idx_main, idx_extra)
-        t = tl.where(main, ti, ti - tiles1)
-        n = tl.where(main, n1, n2)
-        n_tokens = tl.where(main, kc_n, ec_n)
-        P = tl.where(main, kc_P, ec_P)
-        stride = tl.where(main, kc_stride, ec_stride)
-    else:
-        cache, idx_row, t, n, n_tokens, P, stride = kc_ptr, idx_main, ti, n1, kc_n, kc_P, kc_stride
+    cache, idx_row, t, n, n_tokens, P, stride = tile_source(ti, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
+                                                            ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, HAS_EXTRA)
     if CLIP:
         n = tl.where(ti < hi, n, 0)
     valid, row, srow = token_rows(idx_row, t * BLOCK_N + tl.arange(0, BLOCK_N), n, n_tokens, P, stride)
@@ -402,7 +393,7 @@ def launch_config(b: int, s_q: int, h_q: int, topk_total: int, device: torch.dev
     portable ``tl.dot`` kernel with the shipped config for h_q, two programs per head block when
     the grid is small (:func:`fill_small_grid`). Measured on the H200
     (results/h200/mma_sweep_r14.json): the Gluon kernel is 1.3 to 1.6x faster from b = 8 (DSA)
-    and b = 32 (V4) up, and 3 to 19% slower at b = 1, where the tl.dot kernel's split of P.V
+    and b = 32 (V4) up, and 2 to 22% slower at b = 1, where the tl.dot kernel's split of P.V
     over two programs is worth more than the Gluon kernel's overlap."""
     cfg = default_config(h_q, device)
     if _runtime.INTERPRET or device.type != "cuda":
@@ -422,7 +413,7 @@ def gluon_hopper_available() -> bool:
     kernel is written in."""
     try:
         from . import wgmma  # noqa: F401
-    except ImportError:
+    except (ImportError, AttributeError):     # no Gluon, or a Gluon without the names it uses
         return False
     return True
 

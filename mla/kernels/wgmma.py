@@ -23,7 +23,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from .common import token_rows
+from .common import tile_source, token_rows
 
 # Gluon is experimental and its names move: the CTA-wide barrier is gl.thread_barrier in Triton
 # 3.6 (the GPU image) and gl.barrier in 3.9 (CPU CI, which compiles this kernel ahead of time).
@@ -39,17 +39,8 @@ def _tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
                BLOCK_N: gl.constexpr, HAS_EXTRA: gl.constexpr, ROW_L: gl.constexpr, ABLATE: gl.constexpr = 0):
     """Token tile ``ti`` of the query's list (main cache's tiles, then the extra cache's), as in
     :func:`mla.kernels.mma._tile_rows` with CLIP: a tile at or past ``hi`` is all invalid."""
-    if HAS_EXTRA:
-        main = ti < tiles1
-        cache = gl.where(main, kc_ptr, ec_ptr)
-        idx_row = gl.where(main, idx_main, idx_extra)
-        t = gl.where(main, ti, ti - tiles1)
-        n = gl.where(main, n1, n2)
-        n_tokens = gl.where(main, kc_n, ec_n)
-        P = gl.where(main, kc_P, ec_P)
-        stride = gl.where(main, kc_stride, ec_stride)
-    else:
-        cache, idx_row, t, n, n_tokens, P, stride = kc_ptr, idx_main, ti, n1, kc_n, kc_P, kc_stride
+    cache, idx_row, t, n, n_tokens, P, stride = tile_source(ti, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
+                                                            ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, HAS_EXTRA)
     n = gl.where(ti < hi, n, 0)
     valid, row, srow = token_rows(idx_row, t * BLOCK_N + gl.arange(0, BLOCK_N, layout=ROW_L), n, n_tokens, P,
                                   stride)
