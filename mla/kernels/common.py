@@ -78,6 +78,28 @@ def tile_source(ti, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
 
 
 @triton.jit
+def split_range(b, split, topk, len_ptr, etopk, elen_ptr, num_splits, BLOCK_N: tl.constexpr, HAS_LEN: tl.constexpr,
+                HAS_EXTRA: tl.constexpr, HAS_ELEN: tl.constexpr):
+    """A query's valid lengths in each cache and the token tiles ``[lo, hi)`` of its list (main
+    cache's tiles, then the extra cache's) that split ``split`` of ``num_splits`` takes:
+    (n1, tiles1, n2, lo, hi). Scalar code, shared by the ``tl.dot`` and the Gluon kernels."""
+    n1 = topk
+    if HAS_LEN:
+        n1 = tl.minimum(n1, tl.maximum(tl.load(len_ptr + b), 0))
+    tiles1 = (n1 + BLOCK_N - 1) // BLOCK_N     # not tl.cdiv: see mla._runtime (import order)
+    n2 = 0
+    if HAS_EXTRA:
+        n2 = etopk
+        if HAS_ELEN:
+            n2 = tl.minimum(n2, tl.maximum(tl.load(elen_ptr + b), 0))
+    tiles2 = (n2 + BLOCK_N - 1) // BLOCK_N
+    per = (tiles1 + tiles2 + num_splits - 1) // num_splits
+    lo = split * per
+    hi = tl.minimum(lo + per, tiles1 + tiles2)
+    return n1, tiles1, n2, lo, hi
+
+
+@triton.jit
 def load_raw(cache_ptr, row, srow, valid, T0: tl.constexpr, NT: tl.constexpr):
     """Issue the loads of tiles ``T0 .. T0+NT-1`` of a token tile, without decoding them:
     FP8 bytes ``[BLOCK_N, NT, 64]``, UE8M0 bytes ``[BLOCK_N, NT]`` and, when tile 7 is among

@@ -21,7 +21,8 @@ import triton.language as tl
 
 from .. import _runtime
 from ..layout import D_QK
-from .common import cache_args, dequant, fp8_native, load_raw, load_token_tile, tile_source, token_rows
+from .common import (cache_args, dequant, fp8_native, load_raw, load_token_tile, split_range, tile_source,
+                     token_rows)
 
 LOG2E = 1.4426950408889634
 
@@ -186,19 +187,8 @@ def mma_decode_kernel(
     q0 = tl.load(qrow[:, None] + c[None, :], mask=hmask[:, None], other=0.0).to(DOT)
     q1 = tl.load(qrow[:, None] + 256 + c[None, :], mask=hmask[:, None], other=0.0).to(DOT)
 
-    n1 = topk
-    if HAS_LEN:
-        n1 = tl.minimum(n1, tl.maximum(tl.load(len_ptr + b), 0))
-    tiles1 = (n1 + BLOCK_N - 1) // BLOCK_N     # not tl.cdiv: see mla._runtime (import order)
-    n2 = 0
-    if HAS_EXTRA:
-        n2 = etopk
-        if HAS_ELEN:
-            n2 = tl.minimum(n2, tl.maximum(tl.load(elen_ptr + b), 0))
-    tiles2 = (n2 + BLOCK_N - 1) // BLOCK_N
-    per = (tiles1 + tiles2 + num_splits - 1) // num_splits
-    lo = split * per
-    hi = tl.minimum(lo + per, tiles1 + tiles2)
+    n1, tiles1, n2, lo, hi = split_range(b, split, topk, len_ptr, etopk, elen_ptr, num_splits, BLOCK_N, HAS_LEN,
+                                         HAS_EXTRA, HAS_ELEN)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)

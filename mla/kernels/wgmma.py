@@ -23,7 +23,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from .common import tile_source, token_rows
+from .common import split_range, tile_source, token_rows
 
 # Gluon is experimental and its names move: the CTA-wide barrier is gl.thread_barrier in Triton
 # 3.6 (the GPU image) and gl.barrier in 3.9 (CPU CI, which compiles this kernel ahead of time).
@@ -121,19 +121,8 @@ def wgmma_decode_kernel(
                  other=0.0)
     q_smem.store(gl.reshape(qv.to(OUT), [BH, 512]))
 
-    n1 = topk
-    if HAS_LEN:
-        n1 = gl.minimum(n1, gl.maximum(gl.load(len_ptr + b), 0))
-    tiles1 = (n1 + BLOCK_N - 1) // BLOCK_N
-    n2 = 0
-    if HAS_EXTRA:
-        n2 = etopk
-        if HAS_ELEN:
-            n2 = gl.minimum(n2, gl.maximum(gl.load(elen_ptr + b), 0))
-    tiles2 = (n2 + BLOCK_N - 1) // BLOCK_N
-    per = (tiles1 + tiles2 + num_splits - 1) // num_splits
-    lo = split * per
-    hi = gl.minimum(lo + per, tiles1 + tiles2)
+    n1, tiles1, n2, lo, hi = split_range(b, split, topk, len_ptr, etopk, elen_ptr, num_splits, BLOCK_N, HAS_LEN,
+                                         HAS_EXTRA, HAS_ELEN)
     idx_main = idx_ptr + tok.to(gl.int64) * topk
     idx_extra = eidx_ptr + tok.to(gl.int64) * etopk
 
