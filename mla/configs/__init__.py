@@ -42,12 +42,29 @@ def generic_hopper(arch: int = 90):
     """The Gluon kernel's config on a Hopper GPU with no shipped file (sm_90 only), else None."""
     from ..kernels.mma import MMAConfig
 
-    return MMAConfig(kernel="wgmma", block_h=64, block_n=64, num_warps=8, num_stages=1) if arch == 90 else None
+    return MMAConfig(kernel="wgmma") if arch == 90 else None
 
 
 def _files():
     env = os.environ.get("MLA_CONFIG_FILE")
     return [pathlib.Path(env)] if env else sorted(_DIR.glob("*.json"))
+
+
+def _match(gpu_name: str, tv: str):
+    """(file, its data) of the config file for this GPU, preferring the one tuned with Triton
+    minor version ``tv``; None if no file names the GPU."""
+    match = None
+    for f in _files():
+        data = json.loads(f.read_text())
+        if data.get("gpu") != gpu_name:
+            continue
+        if match is None or data.get("triton") == tv:
+            match = (f, data)
+    return match
+
+
+def _minor(triton_version: str) -> str:
+    return ".".join(triton_version.split(".")[:2])
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,16 +74,10 @@ def table_for(gpu_name: str, triton_version: str, arch: int = 90):
     from ..kernels.mma import MMAConfig, mma_decode_kernel
     from ..tuning import kernel_name
 
-    tv = ".".join(triton_version.split(".")[:2])
+    tv = _minor(triton_version)
     log.info("mla: %s on %s (sm_%d, Triton %s) launches with a config table, never autotuning",
              kernel_name(mma_decode_kernel), gpu_name, arch, tv)
-    match = None
-    for f in _files():
-        data = json.loads(f.read_text())
-        if data.get("gpu") != gpu_name:
-            continue
-        if match is None or data.get("triton") == tv:
-            match = (f, data)
+    match = _match(gpu_name, tv)
     if match is None:
         log.info("mla: no shipped MMA config for %s; using generic defaults for sm_%d", gpu_name, arch)
         return "generic", generic(arch)
@@ -79,20 +90,18 @@ def table_for(gpu_name: str, triton_version: str, arch: int = 90):
 
 @functools.lru_cache(maxsize=None)
 def hopper_for(gpu_name: str, triton_version: str, arch: int = 90):
-    """The Gluon sm_90 kernel's config for this GPU (its shipped file's ``hopper`` entry, or the
-    generic one on any sm_90 GPU), or None: not sm_90, or a shipped file that names none."""
+    """The Gluon sm_90 kernel's config for this GPU (the ``hopper`` entry of the file
+    :func:`table_for` picks, or the generic one on any sm_90 GPU with no file), or None: not
+    sm_90, or a file that names none."""
     from ..kernels.mma import MMAConfig
 
     if arch != 90:
         return None
-    src, _ = table_for(gpu_name, triton_version, arch)
-    if src == "generic":
+    match = _match(gpu_name, _minor(triton_version))
+    if match is None:
         return generic_hopper(arch)
-    for f in _files():
-        if f.name == src:
-            entry = json.loads(f.read_text()).get("hopper")
-            return MMAConfig(**entry) if entry else None
-    return None
+    entry = match[1].get("hopper")
+    return MMAConfig(**entry) if entry else None
 
 
 def lookup(h_q: int, device: torch.device):

@@ -457,31 +457,25 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
     else:
         po = plse = lse
     sink = attn_sink if attn_sink is not None else lse
+    args = (q, out, lse, sink, po, plse,
+            kc, kst, kp, kn, indices, topk, topk_length if topk_length is not None else indices,
+            ec, est, ep, en, eidx, etopk, extra_topk_length if extra_topk_length is not None else indices,
+            s_q, h_q, scale * LOG2E, ns)
+    flags = dict(HAS_SINK=attn_sink is not None, HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra,
+                 HAS_ELEN=extra_topk_length is not None, PARTIAL=ns > 1, BLOCK_N=cfg.block_n, ABLATE=cfg.ablate,
+                 **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     if cfg.kernel == "wgmma":
         from .wgmma import NUM_WARPS, wgmma_decode_kernel
 
-        wgmma_decode_kernel[(n_hb, ns, b * s_q)](
-            q, out, lse, sink, po, plse,
-            kc, kst, kp, kn, indices, topk, topk_length if topk_length is not None else indices,
-            ec, est, ep, en, eidx, etopk, extra_topk_length if extra_topk_length is not None else indices,
-            s_q, h_q, scale * LOG2E, ns,
-            HAS_SINK=attn_sink is not None, HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra,
-            HAS_ELEN=extra_topk_length is not None, PARTIAL=ns > 1, BLOCK_N=cfg.block_n, ABLATE=cfg.ablate,
-            num_warps=NUM_WARPS, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
-        )
+        wgmma_decode_kernel[(n_hb, ns, b * s_q)](*args, **flags, num_warps=NUM_WARPS)
     else:
         mma_decode_kernel[(n_hb * cfg.dv_halves, ns, b * s_q)](
-            q, out, lse, sink, po, plse,
-            kc, kst, kp, kn, indices, topk, topk_length if topk_length is not None else indices,
-            ec, est, ep, en, eidx, etopk, extra_topk_length if extra_topk_length is not None else indices,
-            s_q, h_q, scale * LOG2E, ns,
-            HAS_SINK=attn_sink is not None, HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra,
-            HAS_ELEN=extra_topk_length is not None, PARTIAL=ns > 1,
-            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, FP8_NATIVE=fp8_native(dev) if cfg.fp8 == "auto" else cfg.fp8 == "native",
+            *args, **flags, BLOCK_H=cfg.block_h,
+            FP8_NATIVE=fp8_native(dev) if cfg.fp8 == "auto" else cfg.fp8 == "native",
             DOT=_runtime.dot_dtype() if _runtime.INTERPRET else _DOT_TYPES[cfg.dot],
             TOKENS_AS_M=cfg.tokens_as_m, PREFETCH=cfg.prefetch,
-            P_SPLIT=cfg.p_split and not _runtime.INTERPRET, ABLATE=cfg.ablate, DV_HALVES=cfg.dv_halves,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+            P_SPLIT=cfg.p_split and not _runtime.INTERPRET, DV_HALVES=cfg.dv_halves,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     if ns > 1:
         bhc = 1
