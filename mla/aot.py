@@ -55,12 +55,14 @@ def _compile_in_process(kernel_name: str, arch: int, constexprs: dict, num_warps
     for i, name in enumerate(kernel.arg_names):      # constexprs left out take their defaults
         if name not in constexprs and name not in _MMA_TYPES:
             constexprs[name] = kernel.params[i].default
+    # A Gluon variant for an odd page size (ALIGN 8) has page strides that are not multiples of 16.
+    aligned = _ALIGNED - ({"kc_stride", "ec_stride"} if constexprs.get("ALIGN") == 8 else set())
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
         else:
             sig[name] = (types or {}).get(name, _MMA_TYPES[name])
-            if name in _ALIGNED:
+            if name in aligned:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     consts = dict(constexprs)
     if "DOT" in consts and isinstance(consts["DOT"], str):
@@ -115,11 +117,13 @@ TENSOR_OPS = ("HGMMA", "HMMA")
 
 
 def sass_loops(sass: str) -> list[dict]:
-    """The loops of a SASS listing that issue tensor-core instructions (the token-tile loops of
-    the decode kernel), in program order. A loop is a branch back to an earlier label; each
-    comes with its instruction count per iteration (per warp), its tensor-core instructions,
-    and its spill traffic: ``LDL`` and ``STL``, loads and stores of local memory, which is
-    where ptxas puts the registers it could not keep."""
+    """The innermost loops of a SASS listing that issue tensor-core instructions (the token-tile
+    loops of the decode kernel), in program order. A loop is a branch back to an earlier label;
+    one that encloses another loop is left out (a warp-specialized kernel's mbarrier spin-waits
+    are placed out of line and branch back over whole partitions). Each comes with its
+    instruction count per iteration (per warp), its tensor-core instructions, and its spill
+    traffic: ``LDL`` and ``STL``, loads and stores of local memory, which is where ptxas puts
+    the registers it could not keep."""
     labels, ins = {}, []
     for line in sass.splitlines():
         m = re.match(r"^(\.L_x_\d+):", line)
@@ -129,15 +133,20 @@ def sass_loops(sass: str) -> list[dict]:
         m = re.match(r"^\s*/\*[0-9a-f]+\*/\s*(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)(.*)", line)
         if m:
             ins.append((m.group(1), m.group(2)))
-    loops = []
+    spans = []
     for i, (op, rest) in enumerate(ins):
         m = re.search(r"`\((\.L_x_\d+)\)", rest) if op == "BRA" else None
         if m and labels.get(m.group(1), i) < i:
-            body = [o for o, _ in ins[labels[m.group(1)]:i + 1]]
-            tensor = sum(body.count(t) for t in TENSOR_OPS)
-            if tensor:
-                loops.append({"instructions": len(body), "tensor_core": tensor,
-                              "spill_loads": body.count("LDL"), "spill_stores": body.count("STL")})
+            spans.append((labels[m.group(1)], i))
+    loops = []
+    for lo, hi in spans:
+        if any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in spans):
+            continue
+        body = [o for o, _ in ins[lo:hi + 1]]
+        tensor = sum(body.count(t) for t in TENSOR_OPS)
+        if tensor:
+            loops.append({"instructions": len(body), "tensor_core": tensor,
+                          "spill_loads": body.count("LDL"), "spill_stores": body.count("STL")})
     return loops
 
 
@@ -187,15 +196,16 @@ def mma_variant(arch: int, block_h=64, block_n=64, num_warps=8, num_stages=1, ha
 
 
 def wgmma_variant(arch: int = 90, block_n=64, has_extra=True, partial=True, partial_fp16=True, maxnreg=0,
-                  asm: tuple = (), loops=False) -> dict:
-    """The Gluon sm_90 kernel's variant (:mod:`mla.kernels.wgmma`; sink and lengths on)."""
+                  asm: tuple = (), loops=False, align=16) -> dict:
+    """The Gluon sm_90 kernel's variant (:mod:`mla.kernels.wgmma`; sink and lengths on; cache
+    rows copied ``align`` bytes at a time, 8 for an odd page size)."""
     from .kernels.wgmma import NUM_WARPS
 
     return {"kernel": "wgmma_decode_kernel", "arch": arch, "num_warps": NUM_WARPS, "num_stages": 1,
             "maxnreg": maxnreg, "loops": loops, "asm": list(asm),
             "types": {"po_ptr": "*fp16"} if partial_fp16 else {},
             "constexprs": {"HAS_SINK": True, "HAS_LEN": True, "HAS_EXTRA": has_extra, "HAS_ELEN": has_extra,
-                           "PARTIAL": partial, "BLOCK_N": block_n}}
+                           "PARTIAL": partial, "BLOCK_N": block_n, "ALIGN": align}}
 
 
 def config_variant(arch: int, cfg, asm: tuple = (), loops: bool = False, has_extra: bool = True) -> dict:

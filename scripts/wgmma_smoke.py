@@ -7,7 +7,7 @@ import device_mma as dm  # noqa: E402
 from mla.kernels.mma import MMAConfig, mma_sparse_decode  # noqa: E402
 
 dm.IMPLS.clear()
-for name, cfg in (("bn64", MMAConfig(kernel="wgmma")), ("bn32", MMAConfig(kernel="wgmma", block_n=32))):
+for name, cfg in (("bn64", MMAConfig(kernel="wgmma")),):
     dm.IMPLS[f"wgmma-{name}"] = lambda *a, _c=cfg, **k: mma_sparse_decode(*a, **k, config=_c)
     dm.IMPLS[f"wgmma-{name}-s3"] = lambda *a, _c=cfg, **k: mma_sparse_decode(*a, **k, config=_c, splits=3)
 fails = 0

@@ -381,10 +381,12 @@ def launch_config(b: int, s_q: int, h_q: int, topk_total: int, device: torch.dev
     A grid that fills the GPU on a Hopper GPU (sm_90) runs the Gluon kernel
     (:mod:`mla.kernels.wgmma`, config from :func:`mla.configs.hopper`). Anything else runs the
     portable ``tl.dot`` kernel with the shipped config for h_q, two programs per head block when
-    the grid is small (:func:`fill_small_grid`). Measured on the H200
-    (results/h200/mma_sweep_r14.json): the Gluon kernel is 1.3 to 1.6x faster from b = 8 (DSA)
-    and b = 32 (V4) up, and 2 to 22% slower at b = 1, where the tl.dot kernel's split of P.V
-    over two programs is worth more than the Gluon kernel's overlap."""
+    the grid is small (:func:`fill_small_grid`). Measured on the H200: the Gluon kernel (v19,
+    results/h200/mma_probe_r19d.json) is 1.2 to 1.9x faster than the tl.dot kernel's record
+    (r9) from b = 32 up, and 10 to 31% slower at b = 1 (against r15), where the tl.dot kernel's
+    split of P.V over two programs is worth more than the Gluon kernel's producer.
+    A Gluon pick whose caches it cannot copy (:func:`mla.kernels.wgmma.row_align`) falls back
+    to the ``tl.dot`` config in :func:`mma_sparse_decode`."""
     cfg = default_config(h_q, device)
     if _runtime.INTERPRET or device.type != "cuda":
         return cfg
@@ -427,9 +429,9 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
         fixed = dict(num_warps=8, num_stages=1, dot="fp16", tokens_as_m=False, prefetch=False, p_split=False,
                      dv_halves=1)
         off = {k: getattr(cfg, k) for k, v in fixed.items() if getattr(cfg, k) != v}
-        if cfg.block_n not in (32, 64) or cfg.fp8 == "int" or off:
-            raise ValueError(f"config: the wgmma kernel takes block_n 32 or 64 (two tile buffers beside Q in "
-                             f"shared memory), native fp8 and {fixed}; got block_n={cfg.block_n}, fp8={cfg.fp8!r}"
+        if cfg.block_n != 64 or cfg.fp8 == "int" or off:
+            raise ValueError(f"config: the wgmma kernel takes block_n 64 (its shared memory is sized for it), "
+                             f"native fp8 and {fixed}; got block_n={cfg.block_n}, fp8={cfg.fp8!r}"
                              + (f", {off}" if off else ""))
     if cfg.kernel == "wgmma" and (_runtime.INTERPRET or dev.type != "cuda"
                                   or torch.cuda.get_device_capability(dev) != (9, 0)):
@@ -448,6 +450,15 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
         eidx, etopk = extra_indices.contiguous(), extra_indices.shape[-1]
     else:
         ec, est, ep, en, eidx, etopk = kc, kst, kp, kn, indices, 0
+    if cfg.kernel == "wgmma":
+        from .wgmma import row_align
+
+        align = row_align((kc, kst), (ec, est))
+        if not align and config is not None:
+            raise ValueError("config: kernel='wgmma' copies cache rows 8 or 16 bytes at a time; these caches' base "
+                             "addresses or page strides are not multiples of 8")
+        if not align:       # the launch rule's pick: the tl.dot kernel reads any alignment
+            cfg = default_config(h_q, dev)
     ns = splits if splits is not None else num_splits(b, s_q, h_q, topk_total, cfg, sm_count(dev))
     n_hb = triton.cdiv(h_q, cfg.block_h)
     if ns > 1:
@@ -467,7 +478,7 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
     if cfg.kernel == "wgmma":
         from .wgmma import NUM_WARPS, wgmma_decode_kernel
 
-        wgmma_decode_kernel[(n_hb, ns, b * s_q)](*args, **flags, num_warps=NUM_WARPS)
+        wgmma_decode_kernel[(n_hb, ns, b * s_q)](*args, **flags, ALIGN=align, num_warps=NUM_WARPS)
     else:
         mma_decode_kernel[(n_hb * cfg.dv_halves, ns, b * s_q)](
             *args, **flags, BLOCK_H=cfg.block_h,

@@ -2,43 +2,73 @@
 the schedule spelled out instead of left to the compiler.
 
 Why a second kernel: the ``tl.dot`` kernel leaves the tensor cores idle while it gathers and
-decodes (every wgmma wait drains the pipe), and Triton lays Q.K^T out so that both warpgroups
-compute the same S. Here one program (8 warps, two warpgroups) keeps
+decodes (every wgmma wait drains the pipe), Triton lays Q.K^T out so that both warpgroups
+compute the same S, and the gather's loads stall the warps that do the math. Here one program
+(a query token, 64 heads, a split) runs two partitions (``gl.warp_specialize``):
 
-- Q (64 heads x 512, fp16) in shared memory for the whole program;
-- two token-tile buffers ``K[2][BLOCK_N, 512]`` (fp16) in shared memory, the same tile serving
-  as K for S = Q.K^T and as V for O += P.V;
-- S = Q.K^T split by columns: warpgroup ``w`` computes tokens ``w*BLOCK_N/2 ..``; nothing is
-  computed twice. P goes through shared memory so that both warpgroups see all of it;
-- O [64, 512] split by columns, warpgroup ``w`` owning 256 of them (128 fp32 registers a thread).
+- a **producer** of 4 warps that only copies: each tile's raw cache bytes (FP8 nope, bf16 rope,
+  UE8M0 scales) go with ``cp.async`` into a two-stage ring in shared memory, holding no
+  registers while they fly; its copies' completion is signalled on the stage's ``ready``
+  mbarrier, and it refills a stage when the consumers release it (``empty``);
+- **consumers**, 8 warps (two warpgroups) that decode each tile from the ring into one fp16
+  tile buffer ``K[BLOCK_N, 512]`` (serving as K for S = Q.K^T and as V for O += P.V), then run
+  S split by columns (warpgroup ``w`` computes tokens ``w*BLOCK_N/2 ..``, nothing twice), the
+  online softmax, P through shared memory, and P.V with O [64, 512] split by columns (256 per
+  warpgroup, 128 fp32 registers a thread).
 
-and per tile it issues S asynchronously, puts the next tile's loads in flight, runs the softmax,
-issues P.V asynchronously and decodes the next tile into the other buffer while P.V runs. The
-outputs (final, or split partials for :func:`mla.kernels.mma.combine_kernel`) are those of the
+Q (64 heads x 512, fp16) stays in shared memory for the whole program. Shared memory: Q 64 KB,
+the tile buffer 64 KB, P 8 KB and the ring 2 x 40.5 KB, 217 KB of the H200's 227. The outputs
+(final, or split partials for :func:`mla.kernels.mma.combine_kernel`) are those of the
 ``tl.dot`` kernel, so the launch wrapper, the split heuristic and the combine are shared.
 """
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                             warpgroup_mma_wait)
 
 from .common import split_range, tile_source, token_rows
 
 # Gluon is experimental and its names move: the CTA-wide barrier is gl.thread_barrier in Triton
-# 3.6 (the GPU image) and gl.barrier in 3.9 (CPU CI, which compiles this kernel ahead of time).
+# 3.6 (the GPU image) and gl.barrier in 3.9 (CPU CI, which compiles this kernel ahead of time);
+# inside a warp_specialize partition it synchronizes that partition's warps only.
 _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+# Likewise cp.async: async_copy_global_to_shared in 3.6, async_load in 3.9.
+_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
-BLOCK_H = 64        #: heads per program: the M of one warpgroup's wgmma
-NUM_WARPS = 8       #: two warpgroups
+BLOCK_H = 64          #: heads per program: the M of one warpgroup's wgmma
+NUM_WARPS = 8         #: the consumers (the kernel's num_warps): two warpgroups
+#: the producer partition's warps: one warpgroup, so that setmaxnreg can apply to it
+PRODUCER_WARPS = gl.constexpr(4)
+#: its registers per thread (it holds addresses only); the consumers then get 232 in the loop
+PRODUCER_REGS = gl.constexpr(40)
+#: ring stages: a third (40.5 KB) does not fit beside Q, the tile buffer and P
+NUM_STAGES = gl.constexpr(2)
+
+
+def row_align(*caches) -> int:
+    """The ``ALIGN`` the kernel takes for these ``(uint8 view, page stride)`` caches: 16 when
+    every base address and page stride is a multiple of 16 (an even page size), 8 when of 8
+    (any page size: a page is P x 584 bytes), else 0: the kernel cannot copy them."""
+    for a in (16, 8):
+        if all(c.data_ptr() % a == 0 and stride % a == 0 for c, stride in caches):
+            return a
+    return 0
 
 
 @gluon.jit
 def _tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
                ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2,
-               BLOCK_N: gl.constexpr, HAS_EXTRA: gl.constexpr, ROW_L: gl.constexpr, ABLATE: gl.constexpr = 0):
+               BLOCK_N: gl.constexpr, HAS_EXTRA: gl.constexpr, ROW_L: gl.constexpr, ALIGN: gl.constexpr,
+               ABLATE: gl.constexpr = 0):
     """Token tile ``ti`` of the query's list (main cache's tiles, then the extra cache's), as in
-    :func:`mla.kernels.mma._tile_rows` with CLIP: a tile at or past ``hi`` is all invalid."""
+    :func:`mla.kernels.mma._tile_rows` with CLIP: a tile at or past ``hi`` is all invalid.
+    ``ALIGN`` (16 or 8) is what the caches' base addresses and page strides are multiples of,
+    so each token's row too (its size, 576, is a multiple of 16, its scale row's of 8): the
+    width of the ring's cp.async copies (Triton cannot see it when a page stride is not a
+    multiple of 16, an odd page size)."""
     cache, idx_row, t, n, n_tokens, P, stride = tile_source(ti, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
                                                             ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, HAS_EXTRA)
     n = gl.where(ti < hi, n, 0)
@@ -49,33 +79,35 @@ def _tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
         cache = kc_ptr
         row = ar.to(gl.int64) * 576
         srow = kc_P * 576 + ar.to(gl.int64) * 8
-    return cache, valid, row, srow
+    return gl.multiple_of(cache, ALIGN), valid, gl.multiple_of(row, ALIGN), gl.multiple_of(srow, 8)
 
 
 @gluon.jit
-def _load_tile(cache, valid, row, srow, L3: gl.constexpr):
-    """Issue the loads of one token tile as ``[BLOCK_N, 8, 64]`` in layout ``L3`` (a thread holds
-    16 columns of all 8 column groups of one token): FP8 bytes of the 7 nope groups (group 7
-    masked off), the token's 8-byte scale row, and the bf16 rope ``[BLOCK_N, 1, 64]``, which
-    broadcasts onto group 7 at no cost in that layout. Invalid tokens load zeros."""
+def _copy_tile(stage, cache, valid, row, srow, L3: gl.constexpr):
+    """Issue the asynchronous copies (cp.async, no registers held) of one token tile's raw bytes
+    into ring stage ``stage``: the FP8 bytes as ``[BLOCK_N, 8, 64]`` (group 7 zero-filled), the
+    bf16 rope ``[BLOCK_N, 1, 64]`` and the scale row ``[BLOCK_N, 8]``, with the copying threads laid
+    out as ``L3``. Invalid tokens are zero-filled."""
+    nope_s, rope_s, sc_s = stage
     g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
     j = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
     v2 = valid[:, None]
     v3 = v2[:, :, None]
-    nb = gl.load(cache + row[:, None, None] + (g * 64)[None, :, None] + j[None, None, :],
-                 mask=v3 & (g < 7)[None, :, None], other=0)
-    sb = gl.load(cache + srow[:, None] + g[None, :], mask=v2, other=0)
-    rope = gl.load((cache + row + 448).to(gl.pointer_type(gl.bfloat16))[:, None, None] + j[None, None, :],
-                   mask=v3, other=0.0)
-    return nb, sb, rope
+    _cp_async(
+        nope_s, cache + row[:, None, None] + (g * 64)[None, :, None] + j[None, None, :],
+        mask=v3 & (g < 7)[None, :, None])
+    _cp_async(sc_s, cache + srow[:, None] + g[None, :], mask=v2)
+    _cp_async(
+        rope_s, (cache + row + 448).to(gl.pointer_type(gl.bfloat16))[:, None, None] + j[None, None, :], mask=v3)
 
 
 @gluon.jit
 def _store_tile(kb, nb, sb, rope, OUT: gl.constexpr):
-    """Decode one gathered tile (FP8 times its UE8M0 scale, built as a float's exponent field:
-    the arithmetic of :func:`mla.kernels.common.dequant`; rope as it is) and store it, as one
-    ``[BLOCK_N, 512]`` block, into the shared-memory buffer ``kb``. One store: Triton 3.6 puts a
-    barrier between any two stores into one allocation, slices or not."""
+    """Decode one tile's raw bytes, read back from the ring in layout ``[BLOCK_N, 8, 64]`` (FP8
+    times its UE8M0 scale, built as a float's exponent field: the arithmetic of
+    :func:`mla.kernels.common.dequant`; the rope, which broadcasts onto group 7, as it is) and
+    store it, as one ``[BLOCK_N, 512]`` block, into the tile buffer ``kb``. One store: Triton 3.6
+    puts a barrier between any two stores into one allocation, slices or not."""
     scale = (sb.to(gl.int32) << 23).to(gl.float32, bitcast=True)
     v = nb.to(gl.float8e4nv, bitcast=True).to(OUT) * scale[:, :, None].to(OUT)
     g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, nb.type.layout)))
@@ -84,114 +116,9 @@ def _store_tile(kb, nb, sb, rope, OUT: gl.constexpr):
 
 
 @gluon.jit
-def wgmma_decode_kernel(
-    q_ptr, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr,
-    kc_ptr, kc_stride, kc_P, kc_n, idx_ptr, topk, len_ptr,
-    ec_ptr, ec_stride, ec_P, ec_n, eidx_ptr, etopk, elen_ptr,
-    s_q, h_q, sm_scale_log2, num_splits,
-    HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_ELEN: gl.constexpr,
-    PARTIAL: gl.constexpr, BLOCK_N: gl.constexpr, ABLATE: gl.constexpr = 0,
-):
-    BH: gl.constexpr = 64
-    OUT: gl.constexpr = gl.float16
-    # Register layouts: S [64, BLOCK_N] and O [64, 512] as wgmma accumulators with the two
-    # warpgroups side by side along N (no row is computed twice); loads of 64-column groups.
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                  instr_shape=[16, BLOCK_N // 2, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
-    L3: gl.constexpr = gl.BlockedLayout([1, 8, 16], [8, 1, 4], [8, 1, 1], [2, 1, 0])
-    ROW_L: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
-    SCOL_L: gl.constexpr = gl.SliceLayout(0, S_L)
-    Q_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, 512], OUT)
-    K_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 512], OUT)
-    P_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, BLOCK_N], OUT)
-
-    hb = gl.program_id(0)
-    split = gl.program_id(1)
-    tok = gl.program_id(2)            # b * s_q + s
-    b = tok // s_q
-    s_idx = tok - b * s_q
-
-    # Q -> shared memory, fp16, heads past h_q as zeros.
-    q_smem = gl.allocate_shared_memory(OUT, [BH, 512], Q_S)
-    qh = hb * BH + gl.arange(0, BH, layout=ROW_L)
-    qc = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None] * 64 + \
-        gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
-    qv = gl.load(q_ptr + ((tok.to(gl.int64) * h_q + qh) * 512)[:, None, None] + qc, mask=(qh < h_q)[:, None, None],
-                 other=0.0)
-    q_smem.store(gl.reshape(qv.to(OUT), [BH, 512]))
-
-    n1, tiles1, n2, lo, hi = split_range(b, split, topk, len_ptr, etopk, elen_ptr, num_splits, BLOCK_N, HAS_LEN,
-                                         HAS_EXTRA, HAS_ELEN)
-    idx_main = idx_ptr + tok.to(gl.int64) * topk
-    idx_extra = eidx_ptr + tok.to(gl.int64) * etopk
-
-    gl.static_assert(BLOCK_N <= 64, "two [BLOCK_N, 512] fp16 tile buffers must fit beside Q")
-    k_smem = gl.allocate_shared_memory(OUT, [2, BLOCK_N, 512], K_S)
-    p_smem = gl.allocate_shared_memory(OUT, [BH, BLOCK_N], P_S)
-
-    # Prologue: tile lo into buffer 0; the indices of tile lo+1 in flight.
-    cache, valid, row, srow = _tile_rows(lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
-                                         ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ROW_L, ABLATE)
-    nb, sb, rope = _load_tile(cache, valid, row, srow, L3)
-    cache, valid, row, srow = _tile_rows(lo + 1, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
-                                         ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ROW_L, ABLATE)
-    _store_tile(k_smem.index(0), nb, sb, rope, OUT)
-    fence_async_shared()
-    _cta_barrier()
-
-    m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
-    l_i = gl.zeros([BH], gl.float32, layout=gl.SliceLayout(1, S_L))
-    o = gl.zeros([BH, 512], gl.float32, layout=O_L)
-    s_zero = gl.zeros([BH, BLOCK_N], gl.float32, layout=S_L)
-    for ti in range(lo, hi):
-        buf = (ti - lo) % 2
-        kb = k_smem.index(buf)
-        # In flight first: the bytes of tile ti+1 (its indices arrived during the last tile) and
-        # the indices of tile ti+2, so neither load's latency sits on this tile's path.
-        nb, sb, rope = _load_tile(cache, valid, row, srow, L3)
-        cache, valid, row, srow = _tile_rows(ti + 2, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
-                                             ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA,
-                                             ROW_L, ABLATE)
-        if ABLATE & 2:
-            s_tok = s_zero
-        else:
-            s_tok = warpgroup_mma(q_smem, kb.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        # This tile's score mask in S's column layout: an index reload that hits in cache costs
-        # less than moving the mask between layouts.
-        _c, vs, _r, _s = _tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
-                                    ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, SCOL_L, ABLATE)
-        if ABLATE & 2:
-            s = s_tok
-        else:
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-        s = gl.where(vs[None, :], s * sm_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        # P goes through shared memory: each warpgroup computed half of its columns, and each
-        # needs all of them as the A operand of its half of P.V.
-        p_smem.store(p.to(OUT))
-        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-        fence_async_shared()
-        _cta_barrier()
-        if ABLATE & 4:
-            o_tok = o
-        else:
-            o_tok = warpgroup_mma(p_smem, kb, o, is_async=True)
-        # While P.V runs: decode tile ti+1 into the other buffer (its last readers, the wgmmas of
-        # tile ti-1, completed before the barrier above).
-        _store_tile(k_smem.index(1 - buf), nb, sb, rope, OUT)
-        if ABLATE & 4:
-            o = o_tok
-        else:
-            o = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
-        fence_async_shared()
-        _cta_barrier()
-
+def _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
+              num_splits, HAS_SINK: gl.constexpr, PARTIAL: gl.constexpr, BH: gl.constexpr, O_L: gl.constexpr):
+    """Normalize O and store it with its LSE: final (sink applied) or a split's partial."""
     heads = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, O_L))
     hmask = heads < h_q
     c = gl.arange(0, 512, layout=gl.SliceLayout(0, O_L))
@@ -214,3 +141,147 @@ def wgmma_decode_kernel(
         orow = out_ptr + (tok.to(gl.int64) * h_q + heads) * 512
         gl.store(orow[:, None] + c[None, :], o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
         gl.store(lse_ptr + (b * h_q + heads) * s_q + s_idx, gl.where(empty, float("inf"), lse), mask=hmask)
+
+
+@gluon.jit
+def _producer(nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
+              ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N: gl.constexpr, HAS_EXTRA: gl.constexpr,
+              ALIGN: gl.constexpr, ABLATE: gl.constexpr, NST: gl.constexpr, PW: gl.constexpr):
+    """Worker partition: copies each tile's raw bytes into the ring (cp.async) once the consumers
+    have read the stage's previous tile; each copying thread arrives on the stage's ``ready``
+    barrier when its own copies have landed. Holds only addresses; the next tile's indices are
+    loaded before the wait."""
+    LP: gl.constexpr = gl.BlockedLayout([1, 8, 16], [8, 1, 4], [PW, 1, 1], [2, 1, 0])
+    RP: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, LP))
+    cache, valid, row, srow = _tile_rows(lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
+                                         ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, RP, ALIGN, ABLATE)
+    for ti in range(lo, hi):
+        j = ti - lo
+        st = j % NST
+        mbarrier.wait(empty.index(st), ((j // NST) & 1) ^ 1)
+        _copy_tile((nope_r.index(st), rope_r.index(st), sc_r.index(st)), cache, valid, row, srow, LP)
+        async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
+        cache, valid, row, srow = _tile_rows(ti + 1, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
+                                             ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, RP,
+                                             ALIGN, ABLATE)
+
+
+@gluon.jit
+def _consumer(q_ptr, tok, h_q, hb, q_smem, k_smem, p_smem, nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1,
+              kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, sm_scale_log2,
+              BLOCK_N: gl.constexpr, HAS_EXTRA: gl.constexpr, ALIGN: gl.constexpr, ABLATE: gl.constexpr,
+              NST: gl.constexpr):
+    """Default partition (8 warps): per tile, decode from the ring into the tile buffer, release
+    the stage, then S, the online softmax and P.V (see the module docstring)."""
+    BH: gl.constexpr = 64
+    OUT: gl.constexpr = gl.float16
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, BLOCK_N // 2, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
+    L3: gl.constexpr = gl.BlockedLayout([1, 8, 16], [8, 1, 4], [8, 1, 1], [2, 1, 0])
+    SCOL_L: gl.constexpr = gl.SliceLayout(0, S_L)
+    m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+    l_i = gl.zeros([BH], gl.float32, layout=gl.SliceLayout(1, S_L))
+    o = gl.zeros([BH, 512], gl.float32, layout=O_L)
+    s_zero = gl.zeros([BH, BLOCK_N], gl.float32, layout=S_L)
+    # Q -> shared memory (fp16, heads past h_q as zeros) while the producer's first copies fly;
+    # the barrier at the top of the first iteration orders it before the first wgmma.
+    qh = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+    qc = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None] * 64 + \
+        gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
+    qv = gl.load(q_ptr + ((tok.to(gl.int64) * h_q + qh) * 512)[:, None, None] + qc, mask=(qh < h_q)[:, None, None],
+                 other=0.0)
+    q_smem.store(gl.reshape(qv.to(OUT), [BH, 512]))
+    for ti in range(lo, hi):
+        j = ti - lo
+        st = j % NST
+        # This tile's score mask in S's column layout, loaded now so that its latency is spent
+        # in the wait and the decode (an index reload that hits in cache costs less than moving
+        # the mask between layouts).
+        _c, vs, _r, _s = _tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
+                                    ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, SCOL_L, ALIGN, ABLATE)
+        mbarrier.wait(ready.index(st), (j // NST) & 1)
+        _cta_barrier()             # both warpgroups are past their P.V of tile ti-1: the tile buffer is free
+        nb = nope_r.index(st).load(L3)
+        rope = rope_r.index(st).load(L3)
+        sb = sc_r.index(st).load(gl.SliceLayout(2, L3))
+        _store_tile(k_smem, nb, sb, rope, OUT)
+        fence_async_shared()
+        _cta_barrier()
+        mbarrier.arrive(empty.index(st))   # every consumer thread has read the stage
+        s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+        s = gl.where(vs[None, :], s * sm_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p_smem.store(p.to(OUT))
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+        fence_async_shared()
+        _cta_barrier()
+        o_tok = warpgroup_mma(p_smem, k_smem, o, is_async=True)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
+    return m_i, l_i, o
+
+
+@gluon.jit
+def wgmma_decode_kernel(
+    q_ptr, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr,
+    kc_ptr, kc_stride, kc_P, kc_n, idx_ptr, topk, len_ptr,
+    ec_ptr, ec_stride, ec_P, ec_n, eidx_ptr, etopk, elen_ptr,
+    s_q, h_q, sm_scale_log2, num_splits,
+    HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_ELEN: gl.constexpr,
+    PARTIAL: gl.constexpr, BLOCK_N: gl.constexpr, ALIGN: gl.constexpr = 16, ABLATE: gl.constexpr = 0,
+):
+    """One program per (query token, 64 heads, split); see the module docstring. ``ALIGN``: see
+    :func:`_tile_rows` and :func:`row_align`."""
+    gl.static_assert(BLOCK_N == 64, "shared memory is sized for 64-token tiles (217 of the 227 KB)")
+    BH: gl.constexpr = 64
+    OUT: gl.constexpr = gl.float16
+    NST: gl.constexpr = NUM_STAGES
+    PW: gl.constexpr = PRODUCER_WARPS
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
+    Q_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, 512], OUT)
+    K_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 512], OUT)
+    P_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, BLOCK_N], OUT)
+    R3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    R2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+
+    hb = gl.program_id(0)
+    split = gl.program_id(1)
+    tok = gl.program_id(2)
+    b = tok // s_q
+    s_idx = tok - b * s_q
+    n1, tiles1, n2, lo, hi = split_range(b, split, topk, len_ptr, etopk, elen_ptr, num_splits, BLOCK_N, HAS_LEN,
+                                         HAS_EXTRA, HAS_ELEN)
+    idx_main = idx_ptr + tok.to(gl.int64) * topk
+    idx_extra = eidx_ptr + tok.to(gl.int64) * etopk
+
+    nope_r = gl.allocate_shared_memory(gl.uint8, [NST, BLOCK_N, 8, 64], R3)
+    rope_r = gl.allocate_shared_memory(gl.bfloat16, [NST, BLOCK_N, 1, 64], R3)
+    sc_r = gl.allocate_shared_memory(gl.uint8, [NST, BLOCK_N, 8], R2)
+    ready = gl.allocate_shared_memory(gl.int64, [NST, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NST, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NST):
+        mbarrier.init(ready.index(i), count=PW * 32)
+        mbarrier.init(empty.index(i), count=1)
+
+    q_smem = gl.allocate_shared_memory(OUT, [BH, 512], Q_S)
+    k_smem = gl.allocate_shared_memory(OUT, [BLOCK_N, 512], K_S)
+    p_smem = gl.allocate_shared_memory(OUT, [BH, BLOCK_N], P_S)
+    fence_async_shared()
+    _cta_barrier()
+
+    m_i, l_i, o = gl.warp_specialize([
+        (_consumer, (q_ptr, tok, h_q, hb, q_smem, k_smem, p_smem, nope_r, rope_r, sc_r, ready, empty, lo, hi,
+                     tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra,
+                     n2, sm_scale_log2, BLOCK_N, HAS_EXTRA, ALIGN, ABLATE, NST)),
+        (_producer, (nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main,
+                     n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN, ABLATE, NST,
+                     PW)),
+    ], [PW], [PRODUCER_REGS])
+    _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
+              num_splits, HAS_SINK, PARTIAL, BH, O_L)

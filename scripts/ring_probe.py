@@ -1,0 +1,60 @@
+"""Dev tool (GPU): variants of the Gluon kernel against the reference on small cases, then timed
+(CUDA graph, median) at large-grid shapes. VARIANTS: JSON {name: MMAConfig kwargs}."""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+import device_mma as dm  # noqa: E402
+import torch  # noqa: E402
+
+from mla import bench  # noqa: E402
+from mla.bench import Case, Shape  # noqa: E402
+from mla.kernels.mma import MMAConfig, mma_sparse_decode  # noqa: E402
+
+variants = json.loads(os.environ["VARIANTS"])
+check = [n for n, k in variants.items() if not k.get("ablate", 0) & 1]   # bit 1: the no-gather ablation
+dm.IMPLS.clear()
+for name in check:
+    cfg = MMAConfig(**variants[name])
+    dm.IMPLS[name] = lambda *a, _c=cfg, **k: mma_sparse_decode(*a, **k, config=_c)
+    dm.IMPLS[name + "-s3"] = lambda *a, _c=cfg, **k: mma_sparse_decode(*a, **k, config=_c, splits=3)
+fails = 0
+results = {"correctness": {}, "timing": []}
+if os.environ.get("CHECK", "1") == "1":
+    for c in [("DSA b2", 2, 1, 64, 2048, 64), ("odd h1 topk1 P1", 2, 1, 1, 1, 1), ("odd h128", 2, 1, 128, 300, 64),
+              ("odd h20 topk77", 3, 3, 20, 77, 33)]:
+        r = dm.correctness_case(*c)
+        results["correctness"][c[0]] = r
+        fails += sum(not (v["out_ok"] and v["lse_ok"]) for v in r.values())
+    for c in [("V4-CSA b4", 4, 1, 64, 128, 256, 512, 64)]:
+        r = dm.correctness_case(*c)
+        results["correctness"][c[0]] = r
+        fails += sum(not (v["out_ok"] and v["lse_ok"]) for v in r.values())
+    r = dm.correctness_case("V4-CSA lens b5", 5, 2, 64, 100, 61, 70, 13, lens=True)
+    results["correctness"]["V4-CSA lens b5"] = r
+    fails += sum(not (v["out_ok"] and v["lse_ok"]) for v in r.values())
+    dm.say("probe correctness failures:", fails)
+results["failures"] = fails
+shapes = {"DSA": lambda b: Shape("DSA", b, 1, 64, 2048, 64),
+          "V4-CSA": lambda b: Shape("V4-CSA", b, 1, 64, 128, 256, 512, 64),
+          "V4-TP8": lambda b: Shape("V4-TP8", b, 1, 8, 128, 256, 512, 64)}
+ceil = bench.ceilings(dm.dev)
+for spec in os.environ.get("SHAPES", "DSA:32,DSA:128,V4-CSA:128").split(","):
+    nm, b = spec.split(":")
+    s = shapes[nm](int(b))
+    case = Case(s, dm.dev, pool_bytes=2e9, n_sets=16)
+    for name, kw in variants.items():
+        cfg = MMAConfig(**kw)
+        try:
+            us = bench.time_graph(case, lambda *a, _c=cfg, **k: mma_sparse_decode(*a, **k, config=_c))
+        except Exception as e:  # noqa: BLE001
+            dm.say(f"{nm} b{b} {name}: ERROR {type(e).__name__}: {str(e)[:300]}")
+            continue
+        fm = bench.FLASHMLA_H200_US.get((s.name, s.b))
+        dm.say(f"{nm:7s} b{b:<4} {name:24s} {us:8.1f} us   FlashMLA {fm}")
+        results["timing"].append({"shape": nm, "b": int(b), "variant": name, "config": kw, "us_graph": us})
+    del case
+    torch.cuda.empty_cache()
+results["provenance"] = bench.provenance(ceil)
+(dm.OUT / "ring_probe.json").write_text(json.dumps(results, indent=1))
