@@ -89,7 +89,8 @@ def test_the_gluon_kernel_is_refused_off_hopper_with_a_clear_error():
         mma_sparse_decode(**case, config=MMAConfig(kernel="cuda"))
 
 
-@pytest.mark.parametrize("field", [dict(block_n=128), dict(block_n=32), dict(num_warps=4), dict(dot="bf16"), dict(prefetch=True),
+@pytest.mark.parametrize("field", [dict(block_n=128), dict(block_n=32), dict(num_warps=4), dict(dot="bf16"),
+                                   dict(prefetch=True),
                                    dict(dv_halves=2), dict(fp8="int"), dict(num_stages=2)])
 def test_the_gluon_kernel_refuses_settings_it_does_not_have(field, monkeypatch):
     """Fields of MMAConfig that only the tl.dot kernel has are refused, not silently ignored (the
@@ -103,9 +104,10 @@ def test_the_gluon_kernel_refuses_settings_it_does_not_have(field, monkeypatch):
 
 
 def test_the_gluon_kernel_copies_rows_as_wide_as_the_caches_alignment_allows():
-    """The ring's cp.async copies are 16 bytes when every cache's base address and page stride
-    are multiples of 16 (an even page size), 8 when of 8 (a page is P x 584 bytes, so any P),
-    and impossible below that: the launch rule then runs the tl.dot kernel."""
+    """The ring's cp.async copies are 16 bytes when every cache's page stride is a multiple of
+    16 (an even page size), 8 when of 8 (a page is P x 584 bytes, so any P); a base address
+    that is not a multiple of 16 (a view that starts mid-allocation) is not copied at all: the
+    launch rule then runs the tl.dot kernel."""
     pytest.importorskip("triton.experimental.gluon")
     from mla.kernels import wgmma
     from mla.kernels.mma import cache_args
@@ -122,8 +124,9 @@ def test_the_gluon_kernel_copies_rows_as_wide_as_the_caches_alignment_allows():
     assert wgmma.row_align(arg(64)) == 16
     assert wgmma.row_align(arg(64), arg(256)) == 16
     assert wgmma.row_align(arg(64), arg(61)) == 8        # an odd page size: strides of 8 only
-    assert wgmma.row_align(arg(64, offset=8)) == 8
-    assert wgmma.row_align(arg(64, offset=4)) == 0       # a cache view 4 bytes off
+    assert wgmma.row_align(arg(61)) == 8
+    assert wgmma.row_align(arg(64, offset=8)) == 0       # a cache view 8 bytes off
+    assert wgmma.row_align(arg(64), arg(61, offset=4)) == 0
 
 
 def test_launch_config_runs_the_gluon_kernel_only_on_grids_that_fill_a_hopper_gpu(monkeypatch):

@@ -455,8 +455,8 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
 
         align = row_align((kc, kst), (ec, est))
         if not align and config is not None:
-            raise ValueError("config: kernel='wgmma' copies cache rows 8 or 16 bytes at a time; these caches' base "
-                             "addresses or page strides are not multiples of 8")
+            raise ValueError("config: kernel='wgmma' copies cache rows 8 or 16 bytes at a time: it needs caches whose "
+                             "base addresses are multiples of 16 and page strides multiples of 8")
         if not align:       # the launch rule's pick: the tl.dot kernel reads any alignment
             cfg = default_config(h_q, dev)
     ns = splits if splits is not None else num_splits(b, s_q, h_q, topk_total, cfg, sm_count(dev))

@@ -49,11 +49,14 @@ NUM_STAGES = gl.constexpr(2)
 
 
 def row_align(*caches) -> int:
-    """The ``ALIGN`` the kernel takes for these ``(uint8 view, page stride)`` caches: 16 when
-    every base address and page stride is a multiple of 16 (an even page size), 8 when of 8
-    (any page size: a page is P x 584 bytes), else 0: the kernel cannot copy them."""
+    """The ``ALIGN`` the kernel takes for these ``(uint8 view, page stride)`` caches, whose base
+    addresses must be multiples of 16 (a fresh allocation's are): 16 when every page stride is
+    a multiple of 16 (an even page size), 8 when of 8 (any page size: a page is P x 584 bytes);
+    0 otherwise, which the kernel cannot copy."""
+    if any(c.data_ptr() % 16 for c, _ in caches):
+        return 0
     for a in (16, 8):
-        if all(c.data_ptr() % a == 0 and stride % a == 0 for c, stride in caches):
+        if all(stride % a == 0 for _, stride in caches):
             return a
     return 0
 
@@ -65,12 +68,14 @@ def _tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
                ABLATE: gl.constexpr = 0):
     """Token tile ``ti`` of the query's list (main cache's tiles, then the extra cache's), as in
     :func:`mla.kernels.mma._tile_rows` with CLIP: a tile at or past ``hi`` is all invalid.
-    ``ALIGN`` (16 or 8) is what the caches' base addresses and page strides are multiples of,
-    so each token's row too (its size, 576, is a multiple of 16, its scale row's of 8): the
-    width of the ring's cp.async copies (Triton cannot see it when a page stride is not a
-    multiple of 16, an odd page size)."""
+    ``ALIGN`` (16 or 8) is what the caches' page strides are multiples of, so each token's row
+    too (the base addresses are multiples of 16; a row is 576 bytes, a multiple of 16, a scale
+    row 8): the width of the ring's cp.async copies. Triton sees a stride's alignment only when
+    it is a multiple of 16, so the stride is rebuilt as a multiple of ``ALIGN`` (an odd page
+    size has strides of 8)."""
     cache, idx_row, t, n, n_tokens, P, stride = tile_source(ti, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
                                                             ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, HAS_EXTRA)
+    stride = (stride // ALIGN) * ALIGN      # the same value, in a form whose alignment Triton can see
     n = gl.where(ti < hi, n, 0)
     valid, row, srow = token_rows(idx_row, t * BLOCK_N + gl.arange(0, BLOCK_N, layout=ROW_L), n, n_tokens, P,
                                   stride)
@@ -79,7 +84,7 @@ def _tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
         cache = kc_ptr
         row = ar.to(gl.int64) * 576
         srow = kc_P * 576 + ar.to(gl.int64) * 8
-    return gl.multiple_of(cache, ALIGN), valid, gl.multiple_of(row, ALIGN), gl.multiple_of(srow, 8)
+    return cache, valid, row, srow
 
 
 @gluon.jit
