@@ -105,14 +105,15 @@ def test_the_gluon_kernel_refuses_settings_it_does_not_have(field, monkeypatch):
 
 def test_the_gluon_kernel_copies_rows_as_wide_as_the_caches_alignment_allows():
     """The ring's cp.async copies are 16 bytes when every cache's page stride is a multiple of
-    16 (an even page size), 8 when of 8 (a page is P x 584 bytes, so any P); a base address
-    that is not a multiple of 16 (a view that starts mid-allocation) is not copied at all: the
-    launch rule then runs the tl.dot kernel."""
+    16 (the MODEL1 stride always is), 8 when of 8 (a cache with a stride of its own, here
+    P x 584 bytes); a base address that is not a multiple of 16 (a view that starts
+    mid-allocation) is not copied at all: the launch rule then runs the tl.dot kernel."""
     pytest.importorskip("triton.experimental.gluon")
+    from mla import layout
     from mla.kernels import wgmma
     from mla.kernels.mma import cache_args
 
-    def cache(P, offset=0):
+    def cache(P, offset=0):    # a cache of 2 pages with the unpadded stride P x 584
         raw = torch.zeros(2 * P * 584 + 64, dtype=torch.uint8)
         base = (-raw.data_ptr()) % 16 + offset
         return cache_args(raw[base:base + 2 * P * 584].view(2, P, 584))
@@ -122,8 +123,10 @@ def test_the_gluon_kernel_copies_rows_as_wide_as_the_caches_alignment_allows():
         return view, stride
 
     assert wgmma.row_align(arg(64)) == 16
+    view, _, _, _ = cache_args(layout.empty_cache(3, 61))
+    assert wgmma.row_align((view, layout.page_stride(61))) == 16   # the MODEL1 stride, any P
     assert wgmma.row_align(arg(64), arg(256)) == 16
-    assert wgmma.row_align(arg(64), arg(61)) == 8        # an odd page size: strides of 8 only
+    assert wgmma.row_align(arg(64), arg(61)) == 8        # 61 x 584: a multiple of 8, not of 16
     assert wgmma.row_align(arg(61)) == 8
     assert wgmma.row_align(arg(64, offset=8)) == 0       # a cache view 8 bytes off
     assert wgmma.row_align(arg(64), arg(61, offset=4)) == 0
