@@ -55,7 +55,7 @@ def _compile_in_process(kernel_name: str, arch: int, constexprs: dict, num_warps
     for i, name in enumerate(kernel.arg_names):      # constexprs left out take their defaults
         if name not in constexprs and name not in _MMA_TYPES:
             constexprs[name] = kernel.params[i].default
-    # A Gluon variant with ALIGN 8 is for page strides that are multiples of 8, not of 16.
+    # A Gluon variant with ALIGN 8 is for page strides that are multiples of 8, not of 16 (odd P, contiguous).
     aligned = _ALIGNED - ({"kc_stride", "ec_stride"} if constexprs.get("ALIGN") == 8 else set())
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
@@ -198,7 +198,8 @@ def mma_variant(arch: int, block_h=64, block_n=64, num_warps=8, num_stages=1, ha
 def wgmma_variant(arch: int = 90, block_n=64, has_extra=True, partial=True, partial_fp16=True, maxnreg=0,
                   asm: tuple = (), loops=False, align=16) -> dict:
     """The Gluon sm_90 kernel's variant (:mod:`mla.kernels.wgmma`; sink and lengths on; cache
-    rows copied ``align`` bytes at a time, 8 for page strides that are multiples of 8 only)."""
+    rows copied ``align`` bytes at a time: 8 for page strides that are multiples of 8 only, as a
+    contiguous cache's are at an odd page size)."""
     from .kernels.wgmma import NUM_WARPS
 
     return {"kernel": "wgmma_decode_kernel", "arch": arch, "num_warps": NUM_WARPS, "num_stages": 1,

@@ -62,7 +62,8 @@ def test_the_gluon_kernel_computes_s_once_in_one_loop_without_spills():
     as 512/16 = 32 instructions of N = BLOCK_N/2 (each warpgroup computes its half of the tile's
     columns) and P.V as 64/16 = 4 instructions of N = 256 (its half of the output). The tl.dot
     kernel issues 72, both warpgroups computing all of S. The variant for page strides that are
-    multiples of 8 only (cache rows copied 8 bytes at a time) builds too."""
+    multiples of 8 only (a contiguous cache at an odd page size; rows copied 8 bytes at a time)
+    builds too."""
     from mla.kernels.mma import MMAConfig
 
     gl_cfg, tl_cfg = MMAConfig(kernel="wgmma"), MMAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)

@@ -105,15 +105,16 @@ def test_the_gluon_kernel_refuses_settings_it_does_not_have(field, monkeypatch):
 
 def test_the_gluon_kernel_copies_rows_as_wide_as_the_caches_alignment_allows():
     """The ring's cp.async copies are 16 bytes when every cache's page stride is a multiple of
-    16 (the MODEL1 stride always is), 8 when of 8 (a cache with a stride of its own, here
-    P x 584 bytes); a base address that is not a multiple of 16 (a view that starts
-    mid-allocation) is not copied at all: the launch rule then runs the tl.dot kernel."""
+    16 (the padded MODEL1 stride always is; a contiguous cache's, P x 584 bytes, at an even P),
+    8 when of 8 (a contiguous cache at an odd P, as `.to(device)` of a padded one gives); a base
+    address that is not a multiple of 16 (a view that starts mid-allocation) is not copied at
+    all: the launch rule then runs the tl.dot kernel."""
     pytest.importorskip("triton.experimental.gluon")
     from mla import layout
     from mla.kernels import wgmma
     from mla.kernels.mma import cache_args
 
-    def cache(P, offset=0):    # a cache of 2 pages with the unpadded stride P x 584
+    def cache(P, offset=0):    # a contiguous cache of 2 pages: stride P x 584
         raw = torch.zeros(2 * P * 584 + 64, dtype=torch.uint8)
         base = (-raw.data_ptr()) % 16 + offset
         return cache_args(raw[base:base + 2 * P * 584].view(2, P, 584))
@@ -123,8 +124,10 @@ def test_the_gluon_kernel_copies_rows_as_wide_as_the_caches_alignment_allows():
         return view, stride
 
     assert wgmma.row_align(arg(64)) == 16
-    view, _, _, _ = cache_args(layout.empty_cache(3, 61))
-    assert wgmma.row_align((view, layout.page_stride(61))) == 16   # the MODEL1 stride, any P
+    padded = layout.quantize_kv(torch.zeros(3, 61, 512, dtype=torch.bfloat16))
+    view, stride, _, _ = cache_args(padded)
+    assert stride == layout.page_stride(61) and wgmma.row_align((view, stride)) == 16   # padded, any P
+    assert cache_args(padded.to("meta"))[1] == 61 * 584        # .to() drops the padding: an odd stride
     assert wgmma.row_align(arg(64), arg(256)) == 16
     assert wgmma.row_align(arg(64), arg(61)) == 8        # 61 x 584: a multiple of 8, not of 16
     assert wgmma.row_align(arg(61)) == 8

@@ -51,9 +51,10 @@ NUM_STAGES = gl.constexpr(2)
 def row_align(*caches) -> int:
     """The ``ALIGN`` the kernel takes for these ``(uint8 view, page stride)`` caches, whose base
     addresses must be multiples of 16 (a fresh allocation's are): 16 when every page stride is
-    a multiple of 16, as the MODEL1 stride is (``P*584`` rounded up to a multiple of 576, so a
-    multiple of 64); 8 when of 8 (a cache with a stride of its own); 0 otherwise, which the
-    kernel cannot copy."""
+    a multiple of 16, 8 when of 8, else 0, which the kernel cannot copy. The padded MODEL1
+    stride (``P*584`` rounded up to a multiple of 576) is a multiple of 64; a contiguous cache's
+    (``P*584``, which is what ``.to(device)`` of a padded cache gives: torch copies a tensor with
+    gaps into a contiguous one) is a multiple of 16 only for an even page size."""
     if any(c.data_ptr() % 16 for c, _ in caches):
         return 0
     for a in (16, 8):
@@ -72,10 +73,9 @@ def _tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
     ``ALIGN`` (16 or 8, :func:`row_align`) is what the caches' page strides are multiples of,
     so each token's row too (the base addresses are multiples of 16; a row is 576 bytes, a scale
     row 8): the width of the ring's cp.async copies. The stride is rebuilt as a multiple of
-    ``ALIGN``, an alignment Triton's analysis can see: on the H200, Triton 3.6 compiled the
-    copies from the raw stride as 1-byte transfers, which cp.async does not have, whenever a
-    page size was not a multiple of 16 (1, 7, 13 and 61 in the validation; the strides
-    themselves were multiples of 64)."""
+    ``ALIGN`` because Triton specializes an integer argument on divisibility by 16 only: from a
+    stride of 8 it compiled the copies as 1-byte transfers, which cp.async does not have (on the
+    H200, contiguous caches of page sizes 1, 7, 13 and 61 in the validation)."""
     cache, idx_row, t, n, n_tokens, P, stride = tile_source(ti, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
                                                             ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, HAS_EXTRA)
     stride = (stride // ALIGN) * ALIGN      # the same value, in a form whose alignment Triton can see
