@@ -1,4 +1,6 @@
 """Ahead-of-time compiles (no GPU needed): every config mla may launch fits its architecture."""
+import re
+
 import pytest
 
 from mla import aot
@@ -67,9 +69,9 @@ def test_the_gluon_kernel_computes_s_once_in_one_loop_without_spills():
     from mla.kernels.mma import MMAConfig
 
     gl_cfg, tl_cfg = MMAConfig(kernel="wgmma"), MMAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
-    ours, theirs, odd = aot.report([aot.config_variant(90, gl_cfg, loops=True),
+    ours, theirs, odd = aot.report([aot.config_variant(90, gl_cfg, loops=True, asm=("sass",)),
                                     aot.config_variant(90, tl_cfg, loops=True),
-                                    aot.wgmma_variant(90, align=8, loops=True)])
+                                    aot.wgmma_variant(90, align=8, loops=True, asm=("sass",))])
     assert "error" not in ours and "error" not in theirs and "error" not in odd, (ours, theirs, odd)
     assert ours["fits"] and ours["shared"] <= aot.SMEM_LIMIT[90]
     for r in (ours, odd):
@@ -77,6 +79,10 @@ def test_the_gluon_kernel_computes_s_once_in_one_loop_without_spills():
         assert loop["tensor_core"] == 32 + 4, loop
         assert loop["spill_loads"] == 0 and loop["spill_stores"] == 0, loop
     assert theirs["loops"][0]["tensor_core"] > ours["loops"][0]["tensor_core"], theirs["loops"]
+    # the ring's cp.async copies (LDGSTS): 16 bytes wide at ALIGN 16, never wider than 8 at ALIGN 8
+    wide = re.compile(r"LDGSTS\S*\.128")
+    assert len(wide.findall(ours["sass"])) >= 16 and not wide.findall(odd["sass"])
+    assert "LDGSTS" in odd["sass"]
 
 
 def test_sass_loops_finds_backward_branches_with_tensor_core_work():

@@ -255,7 +255,9 @@ def wgmma_decode_kernel(
     Q_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, 512], OUT)
     K_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 512], OUT)
     P_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, BLOCK_N], OUT)
-    R3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    # vec 16: 16 contiguous elements per copy; Triton 3.9 sizes its cp.async by it (with vec 1
+    # it copies 8 bytes), 3.6 compiles the same SASS either way.
+    R3: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 1, [2, 1, 0])
     R2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
 
     hb = gl.program_id(0)
