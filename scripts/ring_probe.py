@@ -1,5 +1,6 @@
-"""Dev tool (GPU): variants of the Gluon kernel against the reference on small cases, then timed
-(CUDA graph, median) at large-grid shapes. VARIANTS: JSON {name: MMAConfig kwargs}."""
+"""Dev tool (GPU): variants of the Gluon kernel against the reference on small cases (CHECK=1,
+the default; splits 1 and 3), then timed (CUDA graph, median) at SPEC shapes (SHAPES, e.g.
+"DSA:32,V4-CSA:128"; empty for checks only). VARIANTS: JSON {name: MMAConfig kwargs}."""
 import json
 import os
 import sys
@@ -9,7 +10,7 @@ import device_mma as dm  # noqa: E402
 import torch  # noqa: E402
 
 from mla import bench  # noqa: E402
-from mla.bench import Case, Shape  # noqa: E402
+from mla.bench import Case  # noqa: E402
 from mla.kernels.mma import MMAConfig, mma_sparse_decode  # noqa: E402
 
 variants = json.loads(os.environ["VARIANTS"])
@@ -36,13 +37,11 @@ if os.environ.get("CHECK", "1") == "1":
     fails += sum(not (v["out_ok"] and v["lse_ok"]) for v in r.values())
     dm.say("probe correctness failures:", fails)
 results["failures"] = fails
-shapes = {"DSA": lambda b: Shape("DSA", b, 1, 64, 2048, 64),
-          "V4-CSA": lambda b: Shape("V4-CSA", b, 1, 64, 128, 256, 512, 64),
-          "V4-TP8": lambda b: Shape("V4-TP8", b, 1, 8, 128, 256, 512, 64)}
+shapes = {f"{s.name}:{s.b}": s for s in bench.spec_shapes() if s.s_q == 1}
 ceil = bench.ceilings(dm.dev)
-for spec in os.environ.get("SHAPES", "DSA:32,DSA:128,V4-CSA:128").split(","):
-    nm, b = spec.split(":")
-    s = shapes[nm](int(b))
+for spec in filter(None, os.environ.get("SHAPES", "DSA:32,DSA:128,V4-CSA:128").split(",")):
+    s = shapes[spec]
+    nm, b = s.name, s.b
     case = Case(s, dm.dev, pool_bytes=2e9, n_sets=16)
     for name, kw in variants.items():
         cfg = MMAConfig(**kw)
