@@ -12,8 +12,9 @@ its message; cases not started before the time budget ends are listed as skipped
 ``summary.complete`` is false). ``informational`` holds runs that are expected to fail and are
 not counted: the MMA kernel with bf16 tensor-core operands (P rounded to 2**-8), and a range
 probe with |q| beyond the fp16 range. "mma" is what a serving call runs (the launch rule picks
-the kernel per call); "mma-tl" and "mma-wgmma" force one kernel on every case: the portable
-tl.dot kernel with its shipped configs, and on sm_90 the Gluon kernel.
+the kernel per call); "mma-tl" and "mma-wgmma*" force one kernel on every case: the portable
+tl.dot kernel with its shipped configs, and on sm_90 the Gluon kernel's three variants (heads as
+M; tokens as M with 16 heads, and with 8 heads and 128-token tiles).
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-COUNTED = ("reference", "simt", "mma", "mma-tl", "mma-wgmma")   # "reference": impl="reference", fp32
+COUNTED = ("reference", "simt", "mma", "mma-tl", "mma-wgmma", "mma-wgmma-t16", "mma-wgmma-t8")   # "reference": fp32
+GLUON = ("mma-wgmma", "mma-wgmma-t16", "mma-wgmma-t8")
 INFO_IMPLS = ("mma-bf16",)
 
 
@@ -54,17 +56,21 @@ def _mma_tl(q, k_cache, indices, **kw):
     return mma_sparse_decode(q, k_cache, indices, **kw, config=cfg)
 
 
-def _mma_wgmma(q, k_cache, indices, **kw):
-    """The Gluon sm_90 kernel on every case, whatever the grid."""
+def _mma_wgmma(q, k_cache, indices, variant=None, **kw):
+    """The Gluon sm_90 kernel on every case, whatever the grid and h_q: heads as M, or tokens
+    as M with 16 heads ("t16") or 8 heads and 128-token tiles ("t8")."""
     from mla.kernels.mma import MMAConfig, mma_sparse_decode
 
-    return mma_sparse_decode(q, k_cache, indices, **kw, config=MMAConfig(kernel="wgmma"))
+    extra = {None: {}, "t16": dict(tokens_as_m=True), "t8": dict(tokens_as_m=True, block_n=128)}[variant]
+    return mma_sparse_decode(q, k_cache, indices, **kw, config=MMAConfig(kernel="wgmma", **extra))
 
 
 def _impls(names):
     import mla
 
-    forced = {"mma-bf16": _mma_bf16, "mma-tl": _mma_tl, "mma-wgmma": _mma_wgmma}
+    forced = {"mma-bf16": _mma_bf16, "mma-tl": _mma_tl, "mma-wgmma": _mma_wgmma,
+              "mma-wgmma-t16": functools.partial(_mma_wgmma, variant="t16"),
+              "mma-wgmma-t8": functools.partial(_mma_wgmma, variant="t8")}
     return {n: forced.get(n) or functools.partial(mla.sparse_decode, impl=n) for n in names}
 
 
@@ -175,7 +181,7 @@ def main(argv=None) -> int:
     w = max(1, a.workers)
     counted_impls = COUNTED
     if not (on_gpu and torch.cuda.get_device_capability() == (9, 0)):     # the Gluon kernel is sm_90 only
-        counted_impls = tuple(n for n in COUNTED if n != "mma-wgmma")
+        counted_impls = tuple(n for n in COUNTED if n not in GLUON)
     jobs = [(sp, counted_impls, deadline, not a.no_leak_check, i, a.device)
             for i, sp in enumerate(_split(bench_specs + odd_specs, w))]
     jobs += [(sp, INFO_IMPLS + ("mma",), deadline, False, w + i, a.device) for i, sp in enumerate(_split(info_specs, 2))]

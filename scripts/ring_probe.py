@@ -1,6 +1,8 @@
 """Dev tool (GPU): variants of the Gluon kernel against the reference on small cases (CHECK=1,
 the default; splits 1 and 3), then timed (CUDA graph, median) at SPEC shapes (SHAPES, e.g.
-"DSA:32,V4-CSA:128"; empty for checks only). VARIANTS: JSON {name: MMAConfig kwargs}."""
+"DSA:32,V4-CSA:128"; empty for checks only). VARIANTS: JSON {name: MMAConfig kwargs}; a
+variant's "nst" key, if any, sets the Gluon kernel's ring stages for its head block
+(mla.kernels.wgmma.NUM_STAGES) while that variant runs."""
 import json
 import os
 import sys
@@ -11,15 +13,30 @@ import torch  # noqa: E402
 
 from mla import bench  # noqa: E402
 from mla.bench import Case  # noqa: E402
+from mla.kernels import wgmma  # noqa: E402
 from mla.kernels.mma import MMAConfig, mma_sparse_decode  # noqa: E402
 
 variants = json.loads(os.environ["VARIANTS"])
-check = [n for n, k in variants.items() if not k.get("ablate", 0) & 1]   # bit 1: the no-gather ablation
+nst = {name: kw.pop("nst", None) for name, kw in variants.items()}
+
+
+def run(name, *a, **k):
+    """One call of variant ``name``, with its ring stages (if set) in force."""
+    cfg = MMAConfig(**variants[name])
+    bh = cfg.for_heads(64).block_h
+    saved = wgmma.NUM_STAGES[bh]
+    wgmma.NUM_STAGES[bh] = nst[name] or saved
+    try:
+        return mma_sparse_decode(*a, **k, config=cfg)
+    finally:
+        wgmma.NUM_STAGES[bh] = saved
+
+
+check = [n for n, k in variants.items() if not k.get("ablate", 0)]   # ablations' results are wrong
 dm.IMPLS.clear()
 for name in check:
-    cfg = MMAConfig(**variants[name])
-    dm.IMPLS[name] = lambda *a, _c=cfg, **k: mma_sparse_decode(*a, **k, config=_c)
-    dm.IMPLS[name + "-s3"] = lambda *a, _c=cfg, **k: mma_sparse_decode(*a, **k, config=_c, splits=3)
+    dm.IMPLS[name] = lambda *a, _n=name, **k: run(_n, *a, **k)
+    dm.IMPLS[name + "-s3"] = lambda *a, _n=name, **k: run(_n, *a, **k, splits=3)
 fails = 0
 results = {"correctness": {}, "timing": []}
 if os.environ.get("CHECK", "1") == "1":
@@ -28,13 +45,14 @@ if os.environ.get("CHECK", "1") == "1":
         r = dm.correctness_case(*c)
         results["correctness"][c[0]] = r
         fails += sum(not (v["out_ok"] and v["lse_ok"]) for v in r.values())
-    for c in [("V4-CSA b4", 4, 1, 64, 128, 256, 512, 64)]:
+    for c in [("V4-CSA b4", 4, 1, 64, 128, 256, 512, 64), ("V4-TP8 b4", 4, 1, 8, 128, 256, 512, 64)]:
         r = dm.correctness_case(*c)
         results["correctness"][c[0]] = r
         fails += sum(not (v["out_ok"] and v["lse_ok"]) for v in r.values())
-    r = dm.correctness_case("V4-CSA lens b5", 5, 2, 64, 100, 61, 70, 13, lens=True)
-    results["correctness"]["V4-CSA lens b5"] = r
-    fails += sum(not (v["out_ok"] and v["lse_ok"]) for v in r.values())
+    for c in [("V4-CSA lens b5", 5, 2, 64, 100, 61, 70, 13), ("V4-TP8 lens b5 h5", 5, 2, 5, 100, 61, 70, 13)]:
+        r = dm.correctness_case(*c, lens=True)
+        results["correctness"][c[0]] = r
+        fails += sum(not (v["out_ok"] and v["lse_ok"]) for v in r.values())
     dm.say("probe correctness failures:", fails)
 results["failures"] = fails
 shapes = {f"{s.name}:{s.b}": s for s in bench.spec_shapes() if s.s_q == 1}
@@ -44,15 +62,15 @@ for spec in filter(None, os.environ.get("SHAPES", "DSA:32,DSA:128,V4-CSA:128").s
     nm, b = s.name, s.b
     case = Case(s, dm.dev, pool_bytes=2e9, n_sets=16)
     for name, kw in variants.items():
-        cfg = MMAConfig(**kw)
         try:
-            us = bench.time_graph(case, lambda *a, _c=cfg, **k: mma_sparse_decode(*a, **k, config=_c))
+            us = bench.time_graph(case, lambda *a, _n=name, **k: run(_n, *a, **k))
         except Exception as e:  # noqa: BLE001
             dm.say(f"{nm} b{b} {name}: ERROR {type(e).__name__}: {str(e)[:300]}")
             continue
         fm = bench.FLASHMLA_H200_US.get((s.name, s.b))
         dm.say(f"{nm:7s} b{b:<4} {name:24s} {us:8.1f} us   FlashMLA {fm}")
-        results["timing"].append({"shape": nm, "b": int(b), "variant": name, "config": kw, "us_graph": us})
+        results["timing"].append({"shape": nm, "b": int(b), "variant": name, "config": kw, "nst": nst[name],
+                                   "us_graph": us})
     del case
     torch.cuda.empty_cache()
 results["provenance"] = bench.provenance(ceil)

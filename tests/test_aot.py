@@ -85,6 +85,29 @@ def test_the_gluon_kernel_computes_s_once_in_one_loop_without_spills():
     assert "LDGSTS" in odd["sass"]
 
 
+@pytest.mark.slow
+def test_the_gluon_kernels_tokens_as_m_variants_build_without_spills():
+    """The few-heads variants (h_q <= 16), tokens as the M of both dots: per warp and tile,
+    S^T = K.Q^T as 512/16 = 32 wgmma of N = 8 and O^T += V^T.P^T as (512/128 rows per warp) x
+    (tile/16) wgmma: 4 x 4 = 16 at 16 heads x 64 tokens, 4 x 8 = 32 at 8 heads x 128 tokens
+    (each warpgroup computes S^T for its 64 tokens, so the tile is read once for S). Both fit the
+    H200's shared memory (the 128-token tile buffer with two 64-token ring stages) and their
+    token-tile loops do not spill."""
+    from mla.kernels.mma import MMAConfig
+
+    t16, t8 = aot.report([aot.config_variant(90, MMAConfig(kernel="wgmma", tokens_as_m=True).for_heads(8),
+                                             loops=True),
+                          aot.config_variant(90, MMAConfig(kernel="wgmma", tokens_as_m=True,
+                                                           block_n=128).for_heads(8), loops=True)])
+    for r, wgmma in ((t16, 32 + 16), (t8, 32 + 32)):
+        assert "error" not in r, r
+        assert r["fits"] and r["shared"] <= aot.SMEM_LIMIT[90], r
+        (loop,) = r["loops"]
+        assert loop["tensor_core"] == wgmma, loop
+        assert loop["spill_loads"] == 0 and loop["spill_stores"] == 0, loop
+    assert t8["shared"] > 200 * 1024      # the 128-token fp16 tile buffer alone is 128 KB
+
+
 def test_sass_loops_finds_backward_branches_with_tensor_core_work():
     sass = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;

@@ -29,16 +29,22 @@ def test_kernels_on_gpu(impl, name):
     assert lse_ok.ok, str(lse_ok)
 
 
+GLUON = {"heads-as-M": dict(kernel="wgmma"), "tokens-as-M": dict(kernel="wgmma", tokens_as_m=True),
+         "tokens-as-M 8x128": dict(kernel="wgmma", tokens_as_m=True, block_n=128)}
+
+
+@pytest.mark.parametrize("variant", list(GLUON))
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_gluon_kernel_on_gpu(name, splits):
-    """The sm_90 Gluon kernel, forced (the launch rule picks it only for grids that fill the GPU)."""
+def test_gluon_kernel_on_gpu(name, splits, variant):
+    """The sm_90 Gluon kernel's three variants, each forced on every shape (the launch rule picks
+    heads as M for h_q > 16 on grids that fill the GPU, tokens as M for h_q <= 16)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is for sm_90")
     from mla.kernels.mma import MMAConfig, mma_sparse_decode
 
     case = make_case(**SHAPES[name], device="cuda", seed=len(name))
-    fn = functools.partial(mma_sparse_decode, config=MMAConfig(kernel="wgmma"), splits=splits)
+    fn = functools.partial(mma_sparse_decode, config=MMAConfig(**GLUON[variant]), splits=splits)
     out_ok, lse_ok = run_case(fn, case)
     assert out_ok.ok, str(out_ok)
     assert lse_ok.ok, str(lse_ok)

@@ -103,6 +103,24 @@ def test_the_gluon_kernel_refuses_settings_it_does_not_have(field, monkeypatch):
         mma_sparse_decode(**case, config=MMAConfig(kernel="wgmma", **field))
 
 
+def test_the_gluon_kernel_takes_128_token_tiles_with_tokens_as_m_only(monkeypatch):
+    """block_n 128 is the tokens-as-M variant's (8 heads, two ring tiles a tile); it passes the
+    field check there and reaches the device check, and is refused with heads as M."""
+    from mla.kernels import mma as mma_mod
+
+    monkeypatch.setattr(mma_mod._runtime, "INTERPRET", False)
+    case = make_case(b=1, s_q=1, h_q=4, topk=8, page=8, device="cpu", seed=1)
+    with pytest.raises(ValueError, match="sm_90"):
+        mma_sparse_decode(**case, config=MMAConfig(kernel="wgmma", tokens_as_m=True, block_n=128))
+    with pytest.raises(ValueError, match="sm_90"):
+        mma_sparse_decode(**case, config=MMAConfig(kernel="wgmma", tokens_as_m=True))
+    with pytest.raises(ValueError, match="the wgmma kernel takes"):
+        mma_sparse_decode(**case, config=MMAConfig(kernel="wgmma", tokens_as_m=True, block_n=32))
+    assert MMAConfig(kernel="wgmma", tokens_as_m=True, block_n=128).for_heads(4).block_h == 8
+    assert MMAConfig(kernel="wgmma", tokens_as_m=True).for_heads(128).block_h == 16
+    assert MMAConfig(kernel="wgmma").for_heads(8).block_h == 64
+
+
 def test_the_gluon_kernel_copies_rows_as_wide_as_the_caches_alignment_allows():
     """The ring's cp.async copies are 16 bytes when every cache's page stride is a multiple of
     16 (the padded MODEL1 stride always is; a contiguous cache's, P x 584 bytes, at an even P),
@@ -153,12 +171,23 @@ def test_launch_config_runs_the_gluon_kernel_only_on_grids_that_fill_a_hopper_gp
     assert mma_mod.launch_config(1, 1, 64, 2048, cuda) == fill_small_grid(tl64, 1, 1, 64, 2048, 132)
     assert mma_mod.launch_config(1, 1, 64, 2048, cuda).dv_halves == 2
     assert mma_mod.launch_config(8, 1, 64, 2048, cuda) == hop              # DSA b 8: 256 programs
-    assert mma_mod.launch_config(1, 1, 8, 640, cuda) == tl16               # V4-TP8 b 1: 10 programs
-    assert mma_mod.launch_config(32, 1, 8, 640, cuda) == hop               # heads padded to 64 inside
+    # h_q <= 16: the Gluon kernel with tokens as M at every grid size; at h_q <= 8 with at least
+    # half as many query tokens as SMs, 8 heads and 128-token tiles
+    t16 = MMAConfig(kernel="wgmma", tokens_as_m=True, block_h=16)
+    t8 = MMAConfig(kernel="wgmma", tokens_as_m=True, block_h=8, block_n=128)
+    assert mma_mod.launch_config(1, 1, 8, 640, cuda) == t16                # V4-TP8 b 1
+    assert mma_mod.launch_config(32, 1, 8, 640, cuda) == t16               # V4-TP8 b 32
+    assert mma_mod.launch_config(66, 1, 8, 640, cuda) == t8
+    assert mma_mod.launch_config(33, 2, 8, 640, cuda) == t8                # s_q counts like b
+    assert mma_mod.launch_config(128, 1, 8, 640, cuda) == t8               # V4-TP8 b 128
+    assert mma_mod.launch_config(128, 1, 9, 640, cuda) == t16
+    assert mma_mod.launch_config(128, 1, 1, 640, cuda) == t8
+    assert mma_mod.launch_config(32, 1, 17, 640, cuda) == hop              # heads padded to 64 inside
     assert mma_mod.launch_config(8, 1, 128, 640, cuda) == hop              # 8 x 2 head blocks x 10 tiles
     assert mma_mod.launch_config(2, 1, 128, 640, cuda).kernel == "tl"     # 40 programs
     monkeypatch.setattr(configs, "hopper", lambda dev: None)
     assert mma_mod.launch_config(8, 1, 64, 2048, cuda) == tl64
+    assert mma_mod.launch_config(128, 1, 8, 640, cuda) == tl16
 
 
 def test_fill_small_grid_splits_head_blocks_only_when_the_grid_is_small():

@@ -310,9 +310,10 @@ class MMAConfig:
     def for_heads(self, h_q: int) -> "MMAConfig":
         """BLOCK_H never exceeds h_q rounded up to a power of two, and never drops below 16
         (the smallest M of a tensor-core dot): heads are padded inside the kernel. The wgmma
-        kernel's head block is always 64 (one warpgroup's M)."""
+        kernel's head block is 64 (one warpgroup's M), or with ``tokens_as_m`` (the N of its
+        S^T = K.Q^T) 16, or 8 with 128-token tiles."""
         if self.kernel == "wgmma":
-            return dataclasses.replace(self, block_h=64)
+            return dataclasses.replace(self, block_h=(8 if self.block_n == 128 else 16) if self.tokens_as_m else 64)
         return dataclasses.replace(self, block_h=max(16, min(self.block_h, triton.next_power_of_2(h_q))))
 
 
@@ -385,18 +386,35 @@ def launch_config(b: int, s_q: int, h_q: int, topk_total: int, device: torch.dev
     results/h200/mma_probe_r19d.json) is 1.2 to 1.9x faster than the tl.dot kernel's record
     (r9) from b = 32 up, and 10 to 31% slower at b = 1 (against r15), where the tl.dot kernel's
     split of P.V over two programs is worth more than the Gluon kernel's producer.
+    With h_q <= 16 the Gluon kernel runs at every grid size, with tokens as M (:func:`few_heads`).
     A Gluon pick whose caches it cannot copy (:func:`mla.kernels.wgmma.row_align`) falls back
     to the ``tl.dot`` config in :func:`mma_sparse_decode`."""
     cfg = default_config(h_q, device)
     if _runtime.INTERPRET or device.type != "cuda":
         return cfg
     sms = sm_count(device)
-    if small_grid(cfg, b, s_q, h_q, topk_total, sms):
-        return fill_small_grid(cfg, b, s_q, h_q, topk_total, sms)
     from .. import configs
 
-    hop = configs.hopper(device)
-    return hop.for_heads(h_q) if hop is not None and gluon_hopper_available() else cfg
+    hop = configs.hopper(device) if gluon_hopper_available() else None
+    if hop is not None and h_q <= 16:
+        return few_heads(hop, b, s_q, h_q, sms)
+    if small_grid(cfg, b, s_q, h_q, topk_total, sms):
+        return fill_small_grid(cfg, b, s_q, h_q, topk_total, sms)
+    return hop.for_heads(h_q) if hop is not None else cfg
+
+
+def few_heads(hop: MMAConfig, b: int, s_q: int, h_q: int, sms: int) -> MMAConfig:
+    """The Gluon kernel's config for h_q <= 16 (V4-TP8 has 8): the token tile as the M of the
+    dots, heads padded to 16 instead of 64; with h_q <= 8 and at least half as many query tokens
+    as SMs, 8 heads and 128-token tiles (each tile read once for S, the loop's fixed costs paid
+    once per 128 tokens; its ring cannot run ahead of the consumers, which costs more than it
+    saves at small grids). Measured on the H200 at V4-TP8 (results/h200/mma_probe_r22d.json):
+    b = 1, 32, 128 in 9.8, 17.0, 35.7 us with 16 heads, 10.7, 17.6, 31.3 us with 8 x 128,
+    against 10.0, 19.6, 41.7 in the record r21."""
+    cfg = dataclasses.replace(hop, tokens_as_m=True, block_n=64)
+    if h_q <= 8 and 2 * b * s_q >= sms:
+        cfg = dataclasses.replace(cfg, block_n=128)
+    return cfg.for_heads(h_q)
 
 
 @functools.lru_cache(maxsize=None)
@@ -426,12 +444,12 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
     if cfg.kernel not in ("tl", "wgmma"):
         raise ValueError(f"config: kernel must be 'tl' or 'wgmma'; got {cfg.kernel!r}")
     if cfg.kernel == "wgmma":
-        fixed = dict(num_warps=8, num_stages=1, dot="fp16", tokens_as_m=False, prefetch=False, p_split=False,
-                     dv_halves=1)
+        fixed = dict(num_warps=8, num_stages=1, dot="fp16", prefetch=False, p_split=False, dv_halves=1)
         off = {k: getattr(cfg, k) for k, v in fixed.items() if getattr(cfg, k) != v}
-        if cfg.block_n != 64 or cfg.fp8 == "int" or off:
-            raise ValueError(f"config: the wgmma kernel takes block_n 64 (its shared memory is sized for it), "
-                             f"native fp8 and {fixed}; got block_n={cfg.block_n}, fp8={cfg.fp8!r}"
+        if cfg.block_n not in ((64, 128) if cfg.tokens_as_m else (64,)) or cfg.fp8 == "int" or off:
+            raise ValueError(f"config: the wgmma kernel takes block_n 64, or 128 with tokens_as_m (its shared "
+                             f"memory is sized for them), native fp8 and {fixed}; got block_n={cfg.block_n}, "
+                             f"tokens_as_m={cfg.tokens_as_m}, fp8={cfg.fp8!r}"
                              + (f", {off}" if off else ""))
     if cfg.kernel == "wgmma" and (_runtime.INTERPRET or dev.type != "cuda"
                                   or torch.cuda.get_device_capability(dev) != (9, 0)):
@@ -476,9 +494,12 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
                  HAS_ELEN=extra_topk_length is not None, PARTIAL=ns > 1, BLOCK_N=cfg.block_n, ABLATE=cfg.ablate,
                  **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     if cfg.kernel == "wgmma":
-        from .wgmma import NUM_WARPS, wgmma_decode_kernel
+        from .wgmma import NUM_STAGES, NUM_WARPS, wgmma_decode_kernel
 
-        wgmma_decode_kernel[(n_hb, ns, b * s_q)](*args, **flags, ALIGN=align, num_warps=NUM_WARPS)
+        flags["BLOCK_N"] = 64       # the ring's tiles; a 128-token tile is two of them (U = 2)
+        wgmma_decode_kernel[(n_hb, ns, b * s_q)](*args, **flags, ALIGN=align, BH=cfg.block_h,
+                                                 NST=NUM_STAGES[cfg.block_h], U=cfg.block_n // 64,
+                                                 num_warps=NUM_WARPS)
     else:
         mma_decode_kernel[(n_hb * cfg.dv_halves, ns, b * s_q)](
             *args, **flags, BLOCK_H=cfg.block_h,

@@ -16,6 +16,11 @@ compute the same S, and the gather's loads stall the warps that do the math. Her
   online softmax, P through shared memory, and P.V with O [64, 512] split by columns (256 per
   warpgroup, 128 fp32 registers a thread).
 
+With few heads (h_q <= 16; V4 at TP8 has 8) the consumers put the token tile, not the heads,
+in the M of the dots (:func:`_consumer_t`): ``S^T = K.Q^T`` with 16 heads as N (or 8 heads with
+128-token tiles, two ring stages decoded into one tile buffer), so that 8 heads are padded to
+16 or 8 instead of 64.
+
 Q (64 heads x 512, fp16) stays in shared memory for the whole program. Shared memory: Q 64 KB,
 the tile buffer 64 KB, P 8 KB and the ring 2 x 40.5 KB, 217 KB of the H200's 227. The outputs
 (final, or split partials for :func:`mla.kernels.mma.combine_kernel`) are those of the
@@ -39,13 +44,19 @@ _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrie
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 BLOCK_H = 64          #: heads per program: the M of one warpgroup's wgmma
+#: heads per program of the tokens-as-M variant (h_q <= 16): the N of its S^T = K.Q^T
+BLOCK_H_T = 16
 NUM_WARPS = 8         #: the consumers (the kernel's num_warps): two warpgroups
 #: the producer partition's warps: one warpgroup, so that setmaxnreg can apply to it
 PRODUCER_WARPS = gl.constexpr(4)
 #: its registers per thread (it holds addresses only); the consumers then get 232 in the loop
 PRODUCER_REGS = gl.constexpr(40)
-#: ring stages: a third (40.5 KB) does not fit beside Q, the tile buffer and P
-NUM_STAGES = gl.constexpr(2)
+#: heads per program of the tokens-as-M variant with 128-token tiles (h_q <= 8)
+BLOCK_H_T2 = 8
+#: ring stages (of 64 tokens) per head block. With 64 heads a third (40.5 KB) does not fit
+#: beside Q (64 KB), the tile buffer and P; with 16 heads three fit and were slower on the H200
+#: (results/h200/mma_probe_r22a.json); with 8 heads the 128-token tile buffer leaves room for two
+NUM_STAGES = {BLOCK_H: 2, BLOCK_H_T: 2, BLOCK_H_T2: 2}
 
 
 def row_align(*caches) -> int:
@@ -154,16 +165,17 @@ def _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr,
 @gluon.jit
 def _producer(nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
               ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N: gl.constexpr, HAS_EXTRA: gl.constexpr,
-              ALIGN: gl.constexpr, ABLATE: gl.constexpr, NST: gl.constexpr, PW: gl.constexpr):
+              ALIGN: gl.constexpr, ABLATE: gl.constexpr, NST: gl.constexpr, PW: gl.constexpr, U: gl.constexpr):
     """Worker partition: copies each tile's raw bytes into the ring (cp.async) once the consumers
     have read the stage's previous tile; each copying thread arrives on the stage's ``ready``
     barrier when its own copies have landed. Holds only addresses; the next tile's indices are
-    loaded before the wait."""
+    loaded before the wait. For consumer tiles of ``U`` ring tiles it copies a multiple of ``U``
+    (tiles at or past ``hi`` all invalid: zero-filled)."""
     LP: gl.constexpr = gl.BlockedLayout([1, 8, 16], [8, 1, 4], [PW, 1, 1], [2, 1, 0])
     RP: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, LP))
     cache, valid, row, srow = _tile_rows(lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
                                          ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, RP, ALIGN, ABLATE)
-    for ti in range(lo, hi):
+    for ti in range(lo, lo + (hi - lo + U - 1) // U * U):
         j = ti - lo
         st = j % NST
         mbarrier.wait(empty.index(st), ((j // NST) & 1) ^ 1)
@@ -178,10 +190,9 @@ def _producer(nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_str
 def _consumer(q_ptr, tok, h_q, hb, q_smem, k_smem, p_smem, nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1,
               kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, sm_scale_log2,
               BLOCK_N: gl.constexpr, HAS_EXTRA: gl.constexpr, ALIGN: gl.constexpr, ABLATE: gl.constexpr,
-              NST: gl.constexpr):
+              NST: gl.constexpr, BH: gl.constexpr):
     """Default partition (8 warps): per tile, decode from the ring into the tile buffer, release
-    the stage, then S, the online softmax and P.V (see the module docstring)."""
-    BH: gl.constexpr = 64
+    the stage, then S, the online softmax and P.V (see the module docstring). ``BH`` is 64."""
     OUT: gl.constexpr = gl.float16
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                   instr_shape=[16, BLOCK_N // 2, 16])
@@ -236,6 +247,97 @@ def _consumer(q_ptr, tok, h_q, hb, q_smem, k_smem, p_smem, nope_r, rope_r, sc_r,
 
 
 @gluon.jit
+def _units_mask(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
+                idx_extra, n2, RING_N: gl.constexpr, U: gl.constexpr, HAS_EXTRA: gl.constexpr, ROW_L: gl.constexpr):
+    """The valid mask of ring tiles ``ti .. ti+U-1`` as one ``[U*RING_N]`` vector (row ``r`` is
+    token ``r % RING_N`` of tile ``ti + r // RING_N``); a tile at or past ``hi`` is all invalid."""
+    r = gl.arange(0, U * RING_N, layout=ROW_L)
+    t_i = ti + r // RING_N
+    _c, idx_row, t, n, n_tokens, P, stride = tile_source(t_i, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
+                                                         ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, HAS_EXTRA)
+    n = gl.where(t_i < hi, n, 0)
+    valid, _r, _s = token_rows(idx_row, t * RING_N + r % RING_N, n, n_tokens, P, stride)
+    return valid
+
+
+@gluon.jit
+def _consumer_t(q_ptr, tok, h_q, hb, q_smem, k_smem, p_smem, nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1,
+                kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2,
+                sm_scale_log2, RING_N: gl.constexpr, HAS_EXTRA: gl.constexpr, ALIGN: gl.constexpr,
+                ABLATE: gl.constexpr, NST: gl.constexpr, BH: gl.constexpr, U: gl.constexpr):
+    """Default partition of the tokens-as-M variants (few heads): the token tile is the M of both
+    dots, so that 8 heads are padded to ``BH`` (16 or 8), not 64:
+    ``S^T[TN, BH] = K.Q^T`` and ``O^T[512, BH] += V^T.P^T`` (V^T read from the same tile
+    buffer, transposed; the 512 rows split over the warpgroups). The softmax runs down S^T's
+    columns. A tile is ``U`` ring tiles (``TN = U*RING_N`` tokens):
+
+    - ``U = 1``, ``BH = 16``: each warpgroup computes S^T for 8 of the heads, so both read the
+      whole tile for it;
+    - ``U = 2``, ``BH = 8``: a 128-token tile decoded from two ring stages; each warpgroup
+      computes S^T for its 64 tokens, so the tile is read once for S and once for P.V, and the
+      loop's fixed costs (barriers, waits, reductions) are paid once per 128 tokens."""
+    OUT: gl.constexpr = gl.float16
+    TN: gl.constexpr = U * RING_N
+    if U == 1:
+        ST_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, BH // 2, 16])
+    else:
+        ST_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BH, 16])
+    OT_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BH, 16])
+    L3: gl.constexpr = gl.BlockedLayout([1, 8, 16], [8, 1, 4], [8, 1, 1], [2, 1, 0])
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ST_L))
+    l_i = gl.zeros([BH], gl.float32, layout=gl.SliceLayout(0, ST_L))
+    ot = gl.zeros([512, BH], gl.float32, layout=OT_L)
+    s_zero = gl.zeros([TN, BH], gl.float32, layout=ST_L)
+    qh = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, QL))
+    qc = gl.arange(0, 512, layout=gl.SliceLayout(0, QL))
+    qv = gl.load(q_ptr + ((tok.to(gl.int64) * h_q + qh) * 512)[:, None] + qc[None, :], mask=(qh < h_q)[:, None],
+                 other=0.0)
+    q_smem.store(qv.to(OUT))
+    for ti in range(lo, hi, U):
+        vs = _units_mask(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
+                         idx_extra, n2, RING_N, U, HAS_EXTRA, gl.SliceLayout(1, ST_L))
+        for u in gl.static_range(U):
+            k = ti - lo + u
+            mbarrier.wait(ready.index(k % NST), (k // NST) & 1)
+        _cta_barrier()             # both warpgroups are past their P.V of the last tile: the tile buffer is free
+        for u in gl.static_range(U):
+            st = (ti - lo + u) % NST
+            if not (ABLATE & 2):   # (timing ablation 2: no decode)
+                nb = nope_r.index(st).load(L3)
+                rope = rope_r.index(st).load(L3)
+                sb = sc_r.index(st).load(gl.SliceLayout(2, L3))
+                _store_tile(k_smem.slice(u * RING_N, RING_N), nb, sb, rope, OUT)
+            if u + 1 < U:          # release this stage now, so that its refill starts during the next decode
+                _cta_barrier()
+                mbarrier.arrive(empty.index(st))
+        fence_async_shared()
+        _cta_barrier()
+        mbarrier.arrive(empty.index((ti - lo + U - 1) % NST))
+        if ABLATE & 4:             # (timing ablation 4: no S wgmma)
+            s = s_zero
+        else:
+            s_tok = warpgroup_mma(k_smem, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+        s = gl.where(vs[:, None], s * sm_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[None, :])
+        l_i = l_i * alpha + gl.sum(p, axis=0)
+        m_i = m_new
+        p_smem.store(gl.permute(p.to(OUT), (1, 0)))
+        ot = ot * gl.convert_layout(alpha, gl.SliceLayout(0, OT_L))[None, :]
+        fence_async_shared()
+        _cta_barrier()
+        if not (ABLATE & 8):       # (timing ablation 8: no P.V wgmma)
+            o_tok = warpgroup_mma(k_smem.permute((1, 0)), p_smem.permute((1, 0)), ot, is_async=True)
+            ot = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
+    return m_i, l_i, ot
+
+
+@gluon.jit
 def wgmma_decode_kernel(
     q_ptr, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr,
     kc_ptr, kc_stride, kc_P, kc_n, idx_ptr, topk, len_ptr,
@@ -243,18 +345,20 @@ def wgmma_decode_kernel(
     s_q, h_q, sm_scale_log2, num_splits,
     HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_ELEN: gl.constexpr,
     PARTIAL: gl.constexpr, BLOCK_N: gl.constexpr, ALIGN: gl.constexpr = 16, ABLATE: gl.constexpr = 0,
+    BH: gl.constexpr = 64, NST: gl.constexpr = 2, U: gl.constexpr = 1,
 ):
-    """One program per (query token, 64 heads, split); see the module docstring. ``ALIGN``: see
+    """One program per (query token, ``BH`` heads, split); see the module docstring. ``BH`` 64:
+    heads as the M of the dots; 16 or 8: tokens as M (:func:`_consumer_t`), with tiles of ``U``
+    ring tiles of ``BLOCK_N`` tokens. ``NST``: ring stages (:data:`NUM_STAGES`). ``ALIGN``: see
     :func:`_tile_rows` and :func:`row_align`."""
-    gl.static_assert(BLOCK_N == 64, "shared memory is sized for 64-token tiles (217 of the 227 KB)")
-    BH: gl.constexpr = 64
+    gl.static_assert(BLOCK_N == 64, "shared memory is sized for 64-token ring tiles")
+    gl.static_assert((BH == 64 and U == 1) or (BH == 16 and U == 1) or (BH == 8 and U == 2),
+                     "heads x tile: 64 x 64 (heads as M), 16 x 64 or 8 x 128 (tokens as M)")
     OUT: gl.constexpr = gl.float16
-    NST: gl.constexpr = NUM_STAGES
     PW: gl.constexpr = PRODUCER_WARPS
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
     Q_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, 512], OUT)
-    K_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 512], OUT)
-    P_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, BLOCK_N], OUT)
+    K_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([U * BLOCK_N, 512], OUT)
+    P_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, U * BLOCK_N], OUT)
     # vec 16: 16 contiguous elements per copy; Triton 3.9 sizes its cp.async by it (with vec 1
     # it copies 8 bytes), 3.6 compiles the same SASS either way.
     R3: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 1, [2, 1, 0])
@@ -267,6 +371,11 @@ def wgmma_decode_kernel(
     s_idx = tok - b * s_q
     n1, tiles1, n2, lo, hi = split_range(b, split, topk, len_ptr, etopk, elen_ptr, num_splits, BLOCK_N, HAS_LEN,
                                          HAS_EXTRA, HAS_ELEN)
+    if U > 1:   # each split takes a multiple of U ring tiles
+        tiles = tiles1 + (n2 + BLOCK_N - 1) // BLOCK_N
+        per = ((tiles + num_splits - 1) // num_splits + U - 1) // U * U
+        lo = split * per
+        hi = gl.minimum(lo + per, tiles)
     idx_main = idx_ptr + tok.to(gl.int64) * topk
     idx_extra = eidx_ptr + tok.to(gl.int64) * etopk
 
@@ -280,18 +389,35 @@ def wgmma_decode_kernel(
         mbarrier.init(empty.index(i), count=1)
 
     q_smem = gl.allocate_shared_memory(OUT, [BH, 512], Q_S)
-    k_smem = gl.allocate_shared_memory(OUT, [BLOCK_N, 512], K_S)
-    p_smem = gl.allocate_shared_memory(OUT, [BH, BLOCK_N], P_S)
+    k_smem = gl.allocate_shared_memory(OUT, [U * BLOCK_N, 512], K_S)
+    p_smem = gl.allocate_shared_memory(OUT, [BH, U * BLOCK_N], P_S)
     fence_async_shared()
     _cta_barrier()
 
-    m_i, l_i, o = gl.warp_specialize([
-        (_consumer, (q_ptr, tok, h_q, hb, q_smem, k_smem, p_smem, nope_r, rope_r, sc_r, ready, empty, lo, hi,
-                     tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra,
-                     n2, sm_scale_log2, BLOCK_N, HAS_EXTRA, ALIGN, ABLATE, NST)),
-        (_producer, (nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main,
-                     n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN, ABLATE, NST,
-                     PW)),
-    ], [PW], [PRODUCER_REGS])
-    _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
-              num_splits, HAS_SINK, PARTIAL, BH, O_L)
+    if BH == 64:
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                      instr_shape=[16, 256, 16])
+        m_i, l_i, o = gl.warp_specialize([
+            (_consumer, (q_ptr, tok, h_q, hb, q_smem, k_smem, p_smem, nope_r, rope_r, sc_r, ready, empty, lo, hi,
+                         tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra,
+                         n2, sm_scale_log2, BLOCK_N, HAS_EXTRA, ALIGN, ABLATE, NST, BH)),
+            (_producer, (nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n,
+                         idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN,
+                         ABLATE, NST, PW, 1)),
+        ], [PW], [PRODUCER_REGS])
+        _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
+                  num_splits, HAS_SINK, PARTIAL, BH, O_L)
+    else:
+        # O^T back to [BH, 512], in a plain layout for the epilogue's row-wise stores.
+        OB_L: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [8, 1], [1, 0])
+        m_i, l_i, ot = gl.warp_specialize([
+            (_consumer_t, (q_ptr, tok, h_q, hb, q_smem, k_smem, p_smem, nope_r, rope_r, sc_r, ready, empty, lo, hi,
+                           tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
+                           idx_extra, n2, sm_scale_log2, BLOCK_N, HAS_EXTRA, ALIGN, ABLATE, NST, BH, U)),
+            (_producer, (nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n,
+                         idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN,
+                         ABLATE, NST, PW, U)),
+        ], [PW], [PRODUCER_REGS])
+        o = gl.convert_layout(gl.permute(ot, (1, 0)), OB_L)
+        _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
+                  num_splits, HAS_SINK, PARTIAL, BH, OB_L)
