@@ -234,11 +234,11 @@ def shipped_variants(arch: int) -> list[dict]:
     tables = [configs.generic(arch)]
     if arch == 90:
         tables.append(configs.table_for("NVIDIA H200", "3.6", 90)[1])
-        from .kernels.mma import few_heads
+        from .kernels.mma import tokens_as_m
 
         hop = [c for c in (configs.generic_hopper(90), configs.hopper_for("NVIDIA H200", "3.6", 90)) if c]
-        # with the few-heads variants the launch rule derives from them (16 heads; 8 x 128 tokens)
-        hop += [few_heads(c, b, 1, 8, sms=2) for c in hop for b in (0, 1)]
+        # with the tokens-as-M variants the launch rule derives from them (16 heads; 8 x 128 tokens)
+        hop += [tokens_as_m(c, b, 1, 8, sms=2) for c in hop for b in (0, 1)]
         tables.append(dict(enumerate(hop)))
     from .kernels.mma import fill_small_grid
 

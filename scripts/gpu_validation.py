@@ -128,15 +128,16 @@ def _split(specs, workers):
 
 def graph_replay_check():
     """The MMA call captured once in a CUDA graph, replayed over new index sets, each checked: a
-    small grid (b 4, the tl.dot kernel) and one that fills the GPU (b 32, on sm_90 the Gluon
-    kernel)."""
+    small grid (b 4; on sm_90 the Gluon kernel with tokens as M, elsewhere the tl.dot kernel),
+    one that fills the GPU (b 32; on sm_90 heads as M) and 8 heads at b 128 (on sm_90 8 heads x
+    128-token tiles)."""
     import mla.validate as mv
 
     runs = {}
-    for b in (4, 32):
-        case = mv.make_case(b=b, s_q=1, h_q=64, topk=512, page=64, num_blocks=256, extra_topk=64, extra_page=64,
+    for b, h_q in ((4, 64), (32, 64), (128, 8)):
+        case = mv.make_case(b=b, s_q=1, h_q=h_q, topk=512, page=64, num_blocks=256, extra_topk=64, extra_page=64,
                             device="cuda", seed=11, invalid_frac=0.05)
-        runs[f"b{b}"] = mv.graph_replay_check(case)
+        runs[f"b{b} h{h_q}"] = mv.graph_replay_check(case)
     return {"ok": all(r["ok"] for r in runs.values()), "runs": runs}
 
 

@@ -50,11 +50,12 @@ def test_gluon_kernel_on_gpu(name, splits, variant):
     assert lse_ok.ok, str(lse_ok)
 
 
-@pytest.mark.parametrize("extra", [False, True])
-def test_mma_is_captured_in_a_cuda_graph_and_replayed_over_new_indices(extra):
-    # b 16 x 8 or 10 tiles = 128 or 160 programs: on an H200 the launch rule picks the Gluon kernel
+@pytest.mark.parametrize("extra,b,h_q", [(False, 16, 64), (True, 16, 64), (True, 128, 8), (False, 1, 64)])
+def test_mma_is_captured_in_a_cuda_graph_and_replayed_over_new_indices(extra, b, h_q):
+    # on an H200 the launch rule picks the Gluon kernel for each: b 16 x 8 or 10 tiles = 128 or
+    # 160 programs, heads as M; 8 heads at b 128, 8 x 128-token tiles; b 1, tokens as M
     shape = dict(topk=128, page=256, extra_topk=512, extra_page=64) if extra else dict(topk=512, page=64)
-    case = make_case(b=16, s_q=1, h_q=64, num_blocks=256, device="cuda", seed=1, invalid_frac=0.0, **shape)
+    case = make_case(b=b, s_q=1, h_q=h_q, num_blocks=256, device="cuda", seed=1, invalid_frac=0.0, **shape)
     res = mla.validate.graph_replay_check(case, replays=3)
     assert res["ok"], res
 

@@ -153,28 +153,31 @@ def test_the_gluon_kernel_copies_rows_as_wide_as_the_caches_alignment_allows():
     assert wgmma.row_align(arg(64), arg(61, offset=4)) == 0
 
 
-def test_launch_config_runs_the_gluon_kernel_only_on_grids_that_fill_a_hopper_gpu(monkeypatch):
+def test_launch_config_picks_the_gluon_variant_by_heads_and_grid_on_a_hopper_gpu(monkeypatch):
     """The launch rule, with the GPU facts stubbed: on an sm_90 GPU (132 SMs) whose config file
-    names a Gluon config, a grid that fills the GPU runs it; a small grid keeps the tl.dot kernel
-    (split P.V at h_q 64, measured faster at b = 1); no Gluon config (another GPU) means tl.dot."""
+    names a Gluon config, every call runs the Gluon kernel: heads as M for h_q > 16 on a grid
+    that fills the GPU, tokens as M for h_q <= 16 or a small grid (8 heads x 128 tokens at
+    h_q <= 8 with b * s_q >= 66). No Gluon config (another GPU) means the tl.dot kernel, with
+    split P.V on a small grid."""
     from mla import configs
     from mla.kernels import mma as mma_mod
 
     tl64 = MMAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
     tl16 = MMAConfig(block_h=16, block_n=64, num_warps=8)
     hop = MMAConfig(kernel="wgmma")
+    t16 = MMAConfig(kernel="wgmma", tokens_as_m=True, block_h=16)
+    t8 = MMAConfig(kernel="wgmma", tokens_as_m=True, block_h=8, block_n=128)
     monkeypatch.setattr(mma_mod._runtime, "INTERPRET", False)
     monkeypatch.setattr(mma_mod, "default_config", lambda h_q, dev: (tl16 if h_q <= 16 else tl64).for_heads(h_q))
     monkeypatch.setattr(mma_mod, "sm_count", lambda dev: 132)
     monkeypatch.setattr(configs, "hopper", lambda dev: hop)
     cuda = torch.device("cuda", 0)
-    assert mma_mod.launch_config(1, 1, 64, 2048, cuda) == fill_small_grid(tl64, 1, 1, 64, 2048, 132)
-    assert mma_mod.launch_config(1, 1, 64, 2048, cuda).dv_halves == 2
+    assert mma_mod.launch_config(1, 1, 64, 2048, cuda) == t16              # DSA b 1: 32 one-tile programs
+    assert mma_mod.launch_config(2, 1, 64, 2048, cuda) == t16              # 64 <= 132 / 2
+    assert mma_mod.launch_config(3, 1, 64, 2048, cuda) == hop              # 96: fills enough
     assert mma_mod.launch_config(8, 1, 64, 2048, cuda) == hop              # DSA b 8: 256 programs
-    # h_q <= 16: the Gluon kernel with tokens as M at every grid size; at h_q <= 8 with at least
-    # half as many query tokens as SMs, 8 heads and 128-token tiles
-    t16 = MMAConfig(kernel="wgmma", tokens_as_m=True, block_h=16)
-    t8 = MMAConfig(kernel="wgmma", tokens_as_m=True, block_h=8, block_n=128)
+    assert mma_mod.launch_config(1, 1, 64, 640, cuda) == t16               # V4-CSA b 1
+    assert mma_mod.launch_config(32, 1, 64, 640, cuda) == hop              # V4-CSA b 32
     assert mma_mod.launch_config(1, 1, 8, 640, cuda) == t16                # V4-TP8 b 1
     assert mma_mod.launch_config(32, 1, 8, 640, cuda) == t16               # V4-TP8 b 32
     assert mma_mod.launch_config(66, 1, 8, 640, cuda) == t8
@@ -184,10 +187,13 @@ def test_launch_config_runs_the_gluon_kernel_only_on_grids_that_fill_a_hopper_gp
     assert mma_mod.launch_config(128, 1, 1, 640, cuda) == t8
     assert mma_mod.launch_config(32, 1, 17, 640, cuda) == hop              # heads padded to 64 inside
     assert mma_mod.launch_config(8, 1, 128, 640, cuda) == hop              # 8 x 2 head blocks x 10 tiles
-    assert mma_mod.launch_config(2, 1, 128, 640, cuda).kernel == "tl"     # 40 programs
+    assert mma_mod.launch_config(2, 1, 128, 640, cuda) == t16              # 40 programs: small
     monkeypatch.setattr(configs, "hopper", lambda dev: None)
+    assert mma_mod.launch_config(1, 1, 64, 2048, cuda) == fill_small_grid(tl64, 1, 1, 64, 2048, 132)
+    assert mma_mod.launch_config(1, 1, 64, 2048, cuda).dv_halves == 2
     assert mma_mod.launch_config(8, 1, 64, 2048, cuda) == tl64
     assert mma_mod.launch_config(128, 1, 8, 640, cuda) == tl16
+    assert mma_mod.launch_config(2, 1, 128, 640, cuda).kernel == "tl"
 
 
 def test_fill_small_grid_splits_head_blocks_only_when_the_grid_is_small():

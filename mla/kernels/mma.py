@@ -379,14 +379,14 @@ def fill_small_grid(cfg: MMAConfig, b: int, s_q: int, h_q: int, topk_total: int,
 def launch_config(b: int, s_q: int, h_q: int, topk_total: int, device: torch.device) -> MMAConfig:
     """The config that a call with no explicit ``config`` launches.
 
-    A grid that fills the GPU on a Hopper GPU (sm_90) runs the Gluon kernel
-    (:mod:`mla.kernels.wgmma`, config from :func:`mla.configs.hopper`). Anything else runs the
-    portable ``tl.dot`` kernel with the shipped config for h_q, two programs per head block when
-    the grid is small (:func:`fill_small_grid`). Measured on the H200: the Gluon kernel (v19,
-    results/h200/mma_probe_r19d.json) is 1.2 to 1.9x faster than the tl.dot kernel's record
-    (r9) from b = 32 up, and 10 to 31% slower at b = 1 (against r15), where the tl.dot kernel's
-    split of P.V over two programs is worth more than the Gluon kernel's producer.
-    With h_q <= 16 the Gluon kernel runs at every grid size, with tokens as M (:func:`few_heads`).
+    On a Hopper GPU (sm_90) with a Gluon config (:func:`mla.configs.hopper`) the Gluon kernel
+    (:mod:`mla.kernels.wgmma`) runs every call: heads as M where h_q > 16 and the grid fills the
+    GPU; tokens as M (:func:`tokens_as_m`) where h_q <= 16 or the grid is small
+    (:func:`small_grid`). Anything else runs the portable ``tl.dot`` kernel with the shipped
+    config for h_q, two programs per head block when the grid is small (:func:`fill_small_grid`).
+    Measured on the H200: heads as M (v19, results/h200/mma_probe_r19d.json) is 1.2 to 1.9x
+    faster than the tl.dot kernel's record (r9) from b = 32 up and 10 to 31% slower at b = 1,
+    where tokens as M is faster than both (see :func:`tokens_as_m`).
     A Gluon pick whose caches it cannot copy (:func:`mla.kernels.wgmma.row_align`) falls back
     to the ``tl.dot`` config in :func:`mma_sparse_decode`."""
     cfg = default_config(h_q, device)
@@ -395,22 +395,27 @@ def launch_config(b: int, s_q: int, h_q: int, topk_total: int, device: torch.dev
     sms = sm_count(device)
     from .. import configs
 
+    small = small_grid(cfg, b, s_q, h_q, topk_total, sms)
     hop = configs.hopper(device) if gluon_hopper_available() else None
-    if hop is not None and h_q <= 16:
-        return few_heads(hop, b, s_q, h_q, sms)
-    if small_grid(cfg, b, s_q, h_q, topk_total, sms):
+    if hop is not None and (h_q <= 16 or small):
+        return tokens_as_m(hop, b, s_q, h_q, sms)
+    if small:
         return fill_small_grid(cfg, b, s_q, h_q, topk_total, sms)
     return hop.for_heads(h_q) if hop is not None else cfg
 
 
-def few_heads(hop: MMAConfig, b: int, s_q: int, h_q: int, sms: int) -> MMAConfig:
-    """The Gluon kernel's config for h_q <= 16 (V4-TP8 has 8): the token tile as the M of the
-    dots, heads padded to 16 instead of 64; with h_q <= 8 and at least half as many query tokens
-    as SMs, 8 heads and 128-token tiles (each tile read once for S, the loop's fixed costs paid
-    once per 128 tokens; its ring cannot run ahead of the consumers, which costs more than it
-    saves at small grids). Measured on the H200 at V4-TP8 (results/h200/mma_probe_r22d.json):
-    b = 1, 32, 128 in 9.8, 17.0, 35.7 us with 16 heads, 10.7, 17.6, 31.3 us with 8 x 128,
-    against 10.0, 19.6, 41.7 in the record r21."""
+def tokens_as_m(hop: MMAConfig, b: int, s_q: int, h_q: int, sms: int) -> MMAConfig:
+    """The Gluon kernel's tokens-as-M config, for few heads (V4-TP8 has 8) and for small grids:
+    the token tile as the M of the dots and 16 heads as N, so 8 heads are padded to 16 instead
+    of 64, and 64 heads make four programs per query token where heads as M make one (at b = 1
+    that puts four times as many SMs on the query). With h_q <= 8 and at least half as many
+    query tokens as SMs, 8 heads and 128-token tiles (each tile read once for S, the loop's
+    fixed costs paid once per 128 tokens; its ring cannot run ahead of the consumers, which
+    costs more than it saves at small grids). Measured on the H200: V4-TP8 b = 1, 32, 128 in
+    9.8, 17.0, 35.7 us with 16 heads and 10.7, 17.6, 31.3 us with 8 x 128, against 10.0, 19.6,
+    41.7 in the record r21 (results/h200/mma_probe_r22d.json); DSA b = 1 in 14.4 us and V4-CSA
+    b = 1 in 10.6 us with 16 heads, against 18.4 and 12.7 for the tl.dot kernel's split P.V in
+    the same call (mma_probe_r22e.json; 16.4 and 12.5 in r21)."""
     cfg = dataclasses.replace(hop, tokens_as_m=True, block_n=64)
     if h_q <= 8 and 2 * b * s_q >= sms:
         cfg = dataclasses.replace(cfg, block_n=128)
