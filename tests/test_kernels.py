@@ -196,6 +196,14 @@ def test_launch_config_picks_the_gluon_variant_by_heads_and_grid_on_a_hopper_gpu
     assert mma_mod.launch_config(2, 1, 128, 640, cuda).kernel == "tl"
 
 
+def test_config_labels_name_the_kernel_and_variant():
+    assert MMAConfig(kernel="wgmma").label == "Gluon, heads as M"
+    assert MMAConfig(kernel="wgmma", tokens_as_m=True).for_heads(8).label == "Gluon, tokens as M (16 heads x 64 tokens)"
+    assert (MMAConfig(kernel="wgmma", tokens_as_m=True, block_n=128).for_heads(8).label
+            == "Gluon, tokens as M (8 heads x 128 tokens)")
+    assert MMAConfig(dv_halves=2).label == "tl.dot, split P.V" and MMAConfig().label == "tl.dot"
+
+
 def test_fill_small_grid_splits_head_blocks_only_when_the_grid_is_small():
     h64 = MMAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
     # DSA (topk 2048 = 32 tiles): 32 or 64 programs at b 1 or 2 fill under half of 132 SMs

@@ -307,6 +307,15 @@ class MMAConfig:
     maxnreg: int = 0           # registers per thread ptxas may use (0: its own choice, up to 255)
     kernel: str = "tl"         # "tl": the portable tl.dot kernel; "wgmma": the Gluon sm_90 kernel (mla.kernels.wgmma)
 
+    @property
+    def label(self) -> str:
+        """Which kernel and variant this config runs, in words (for tables)."""
+        if self.kernel == "wgmma":
+            if not self.tokens_as_m:
+                return "Gluon, heads as M"
+            return f"Gluon, tokens as M ({self.block_h} heads x {self.block_n} tokens)"
+        return "tl.dot" + (", split P.V" if self.dv_halves == 2 else "")
+
     def for_heads(self, h_q: int) -> "MMAConfig":
         """BLOCK_H never exceeds h_q rounded up to a power of two, and never drops below 16
         (the smallest M of a tensor-core dot): heads are padded inside the kernel. The wgmma
@@ -392,11 +401,18 @@ def launch_config(b: int, s_q: int, h_q: int, topk_total: int, device: torch.dev
     cfg = default_config(h_q, device)
     if _runtime.INTERPRET or device.type != "cuda":
         return cfg
-    sms = sm_count(device)
     from .. import configs
 
-    small = small_grid(cfg, b, s_q, h_q, topk_total, sms)
     hop = configs.hopper(device) if gluon_hopper_available() else None
+    return choose_config(cfg, hop, b, s_q, h_q, topk_total, sm_count(device))
+
+
+def choose_config(cfg: MMAConfig, hop: MMAConfig | None, b: int, s_q: int, h_q: int, topk_total: int,
+                  sms: int) -> MMAConfig:
+    """The launch rule of :func:`launch_config` on given facts, no GPU needed: ``cfg`` the
+    shipped ``tl.dot`` config for h_q, ``hop`` the Gluon config (None: no Hopper GPU, or no
+    Gluon), ``sms`` the GPU's SM count."""
+    small = small_grid(cfg, b, s_q, h_q, topk_total, sms)
     if hop is not None and (h_q <= 16 or small):
         return tokens_as_m(hop, b, s_q, h_q, sms)
     if small:
