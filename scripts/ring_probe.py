@@ -23,9 +23,11 @@ nst = {name: kw.pop("nst", None) for name, kw in variants.items()}
 def run(name, *a, **k):
     """One call of variant ``name``, with its ring stages (if set) in force."""
     cfg = MMAConfig(**variants[name])
+    if cfg.kernel != "wgmma" or not nst[name]:
+        return mma_sparse_decode(*a, **k, config=cfg)
     bh = cfg.for_heads(64).block_h
     saved = wgmma.NUM_STAGES[bh]
-    wgmma.NUM_STAGES[bh] = nst[name] or saved
+    wgmma.NUM_STAGES[bh] = nst[name]
     try:
         return mma_sparse_decode(*a, **k, config=cfg)
     finally:
