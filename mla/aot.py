@@ -208,7 +208,7 @@ def wgmma_variant(arch: int = 90, block_n=64, has_extra=True, partial=True, part
             "types": {"po_ptr": "*fp16"} if partial_fp16 else {},
             "constexprs": {"HAS_SINK": True, "HAS_LEN": True, "HAS_EXTRA": has_extra, "HAS_ELEN": has_extra,
                            "PARTIAL": partial, "BLOCK_N": 64, "ALIGN": align, "BH": block_h,
-                           "NST": NUM_STAGES[block_h], "U": block_n // 64}}
+                           "NST": NUM_STAGES, "U": block_n // 64}}
 
 
 def config_variant(arch: int, cfg, asm: tuple = (), loops: bool = False, has_extra: bool = True) -> dict:

@@ -1,8 +1,8 @@
 """Dev tool (GPU): variants of the Gluon kernel against the reference on small cases (CHECK=1,
 the default; splits 1 and 3), then timed (CUDA graph, median) at SPEC shapes (SHAPES, e.g.
 "DSA:32,V4-CSA:128"; empty for checks only). VARIANTS: JSON {name: MMAConfig kwargs}; a
-variant's "nst" key, if any, sets the Gluon kernel's ring stages for its head block
-(mla.kernels.wgmma.NUM_STAGES) while that variant runs."""
+variant's "nst" key, if any, sets the Gluon kernel's ring stages (mla.kernels.wgmma.NUM_STAGES)
+while that variant runs."""
 import json
 import os
 import sys
@@ -23,15 +23,12 @@ nst = {name: kw.pop("nst", None) for name, kw in variants.items()}
 def run(name, *a, **k):
     """One call of variant ``name``, with its ring stages (if set) in force."""
     cfg = MMAConfig(**variants[name])
-    if cfg.kernel != "wgmma" or not nst[name]:
-        return mma_sparse_decode(*a, **k, config=cfg)
-    bh = cfg.for_heads(64).block_h
-    saved = wgmma.NUM_STAGES[bh]
-    wgmma.NUM_STAGES[bh] = nst[name]
+    saved = wgmma.NUM_STAGES
+    wgmma.NUM_STAGES = nst[name] or saved
     try:
         return mma_sparse_decode(*a, **k, config=cfg)
     finally:
-        wgmma.NUM_STAGES[bh] = saved
+        wgmma.NUM_STAGES = saved
 
 
 check = [n for n, k in variants.items() if not k.get("ablate", 0)]   # ablations' results are wrong

@@ -519,7 +519,7 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
 
         flags["BLOCK_N"] = 64       # the ring's tiles; a 128-token tile is two of them (U = 2)
         wgmma_decode_kernel[(n_hb, ns, b * s_q)](*args, **flags, ALIGN=align, BH=cfg.block_h,
-                                                 NST=NUM_STAGES[cfg.block_h], U=cfg.block_n // 64,
+                                                 NST=NUM_STAGES, U=cfg.block_n // 64,
                                                  num_warps=NUM_WARPS)
     else:
         mma_decode_kernel[(n_hb * cfg.dv_halves, ns, b * s_q)](

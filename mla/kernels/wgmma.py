@@ -44,19 +44,16 @@ _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrie
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 BLOCK_H = 64          #: heads per program: the M of one warpgroup's wgmma
-#: heads per program of the tokens-as-M variant (h_q <= 16): the N of its S^T = K.Q^T
-BLOCK_H_T = 16
 NUM_WARPS = 8         #: the consumers (the kernel's num_warps): two warpgroups
 #: the producer partition's warps: one warpgroup, so that setmaxnreg can apply to it
 PRODUCER_WARPS = gl.constexpr(4)
 #: its registers per thread (it holds addresses only); the consumers then get 232 in the loop
 PRODUCER_REGS = gl.constexpr(40)
-#: heads per program of the tokens-as-M variant with 128-token tiles (h_q <= 8)
-BLOCK_H_T2 = 8
-#: ring stages (of 64 tokens) per head block. With 64 heads a third (40.5 KB) does not fit
-#: beside Q (64 KB), the tile buffer and P; with 16 heads three fit and were slower on the H200
-#: (results/h200/mma_probe_r22a.json); with 8 heads the 128-token tile buffer leaves room for two
-NUM_STAGES = {BLOCK_H: 2, BLOCK_H_T: 2, BLOCK_H_T2: 2}
+#: ring stages (of 64 tokens), in every variant. With 64 heads a third (40.5 KB) does not fit
+#: beside Q (64 KB), the tile buffer and P; with 16 heads (tokens as M) three fit and were slower
+#: on the H200 (results/h200/mma_probe_r22a.json); with 8 heads the 128-token tile buffer
+#: leaves room for two
+NUM_STAGES = 2
 
 
 def row_align(*caches) -> int:
