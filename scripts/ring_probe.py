@@ -2,7 +2,7 @@
 the default; splits 1 and 3), then timed (CUDA graph, median) at SPEC shapes (SHAPES, e.g.
 "DSA:32,V4-CSA:128"; empty for checks only). VARIANTS: JSON {name: MMAConfig kwargs}; a
 variant's "nst" key, if any, sets the Gluon kernel's ring stages (mla.kernels.wgmma.NUM_STAGES)
-while that variant runs."""
+while that variant runs; its "shapes" key, if any, lists the SHAPES entries it is timed at."""
 import json
 import os
 import sys
@@ -18,6 +18,7 @@ from mla.kernels.mma import MMAConfig, mma_sparse_decode  # noqa: E402
 
 variants = json.loads(os.environ["VARIANTS"])
 nst = {name: kw.pop("nst", None) for name, kw in variants.items()}
+only = {name: kw.pop("shapes", None) for name, kw in variants.items()}   # optional: the SHAPES a variant runs at
 
 
 def run(name, *a, **k):
@@ -61,6 +62,8 @@ for spec in filter(None, os.environ.get("SHAPES", "DSA:32,DSA:128,V4-CSA:128").s
     nm, b = s.name, s.b
     case = Case(s, dm.dev, pool_bytes=2e9, n_sets=16)
     for name, kw in variants.items():
+        if only[name] is not None and spec not in only[name]:
+            continue
         try:
             us = bench.time_graph(case, lambda *a, _n=name, **k: run(_n, *a, **k))
         except Exception as e:  # noqa: BLE001

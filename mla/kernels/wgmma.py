@@ -132,12 +132,27 @@ def _store_tile(kb, nb, sb, rope, OUT: gl.constexpr):
 
 
 @gluon.jit
+def _store_o(ptr, rows, hmask, o, ST_L: gl.constexpr, ABLATE: gl.constexpr):
+    """Store ``o [BH, 512]`` at ``ptr + rows*512``, laid out as ``ST_L`` for the stores."""
+    if not (ABLATE & 32):
+        o = gl.convert_layout(o, ST_L)
+        rows = gl.convert_layout(rows, gl.SliceLayout(1, ST_L))
+        hm = gl.convert_layout(hmask, gl.SliceLayout(1, ST_L))
+        c = gl.arange(0, 512, layout=gl.SliceLayout(0, ST_L))
+        gl.store(ptr + rows[:, None] * 512 + c[None, :], o, mask=hm[:, None])
+
+
+@gluon.jit
 def _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
-              num_splits, HAS_SINK: gl.constexpr, PARTIAL: gl.constexpr, BH: gl.constexpr, O_L: gl.constexpr):
-    """Normalize O and store it with its LSE: final (sink applied) or a split's partial."""
+              num_splits, HAS_SINK: gl.constexpr, PARTIAL: gl.constexpr, BH: gl.constexpr, O_L: gl.constexpr,
+              ABLATE: gl.constexpr = 0):
+    """Normalize O (in layout ``O_L``) and store it with its LSE: final (sink applied) or a split's
+    partial. O leaves as rows of 16-byte stores, a warp's 32 threads on 512 contiguous bytes: in
+    the heads-as-M wgmma's layout each thread would store 4 bytes at a time and 8 threads 16
+    bytes of a row, which cost 4 to 5 us at V4-CSA b128 (results/h200/mma_probe_r24a.json)."""
+    ST_L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
     heads = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, O_L))
     hmask = heads < h_q
-    c = gl.arange(0, 512, layout=gl.SliceLayout(0, O_L))
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
     m_o = gl.convert_layout(m_i, gl.SliceLayout(1, O_L))
     empty = l_o == 0.0
@@ -147,16 +162,29 @@ def _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr,
     if PARTIAL:
         prow = (tok.to(gl.int64) * num_splits + split) * h_q + heads
         gl.store(plse_ptr + prow, gl.where(empty, float("-inf"), lse2), mask=hmask)
-        gl.store(po_ptr + prow[:, None] * 512 + c[None, :], o.to(po_ptr.dtype.element_ty), mask=hmask[:, None])
+        _store_o(po_ptr, prow, hmask, o.to(po_ptr.dtype.element_ty), ST_L, ABLATE)
     else:
         lse = lse2 * 0.6931471805599453
         if HAS_SINK:
             sink = gl.load(sink_ptr + heads, mask=hmask, other=0.0)
             o = o * (1.0 / (1.0 + gl.exp(sink - gl.where(empty, 0.0, lse))))[:, None]
         o = gl.where(empty[:, None], 0.0, o)
-        orow = out_ptr + (tok.to(gl.int64) * h_q + heads) * 512
-        gl.store(orow[:, None] + c[None, :], o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+        _store_o(out_ptr, tok.to(gl.int64) * h_q + heads, hmask, o.to(out_ptr.dtype.element_ty), ST_L, ABLATE)
         gl.store(lse_ptr + (b * h_q + heads) * s_q + s_idx, gl.where(empty, float("inf"), lse), mask=hmask)
+
+
+@gluon.jit
+def _load_q(q_ptr, tok, h_q, hb, q_smem, BH: gl.constexpr, ABLATE: gl.constexpr):
+    """Q's heads ``hb*BH ..`` (zeros past h_q) into shared memory as fp16, loaded as rows of
+    16-byte loads (a warp's 32 threads on 512 contiguous bytes; the decode's layout, which put 8
+    threads on 128 bytes, cost 1.5 us at V4-CSA b32 and b128: results/h200/mma_probe_r24b.json)."""
+    if not (ABLATE & 16):       # (timing ablation 16: no Q)
+        QL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+        qh = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, QL))
+        qc = gl.arange(0, 512, layout=gl.SliceLayout(0, QL))
+        qv = gl.load(q_ptr + ((tok.to(gl.int64) * h_q + qh) * 512)[:, None] + qc[None, :], mask=(qh < h_q)[:, None],
+                     other=0.0)
+        q_smem.store(qv.to(gl.float16))
 
 
 @gluon.jit
@@ -202,12 +230,7 @@ def _consumer(q_ptr, tok, h_q, hb, q_smem, k_smem, p_smem, nope_r, rope_r, sc_r,
     s_zero = gl.zeros([BH, BLOCK_N], gl.float32, layout=S_L)
     # Q -> shared memory (fp16, heads past h_q as zeros) while the producer's first copies fly;
     # the barrier at the top of the first iteration orders it before the first wgmma.
-    qh = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-    qc = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None] * 64 + \
-        gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
-    qv = gl.load(q_ptr + ((tok.to(gl.int64) * h_q + qh) * 512)[:, None, None] + qc, mask=(qh < h_q)[:, None, None],
-                 other=0.0)
-    q_smem.store(gl.reshape(qv.to(OUT), [BH, 512]))
+    _load_q(q_ptr, tok, h_q, hb, q_smem, BH, ABLATE)
     for ti in range(lo, hi):
         j = ti - lo
         st = j % NST
@@ -282,16 +305,11 @@ def _consumer_t(q_ptr, tok, h_q, hb, q_smem, k_smem, p_smem, nope_r, rope_r, sc_
         ST_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BH, 16])
     OT_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BH, 16])
     L3: gl.constexpr = gl.BlockedLayout([1, 8, 16], [8, 1, 4], [8, 1, 1], [2, 1, 0])
-    QL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ST_L))
     l_i = gl.zeros([BH], gl.float32, layout=gl.SliceLayout(0, ST_L))
     ot = gl.zeros([512, BH], gl.float32, layout=OT_L)
     s_zero = gl.zeros([TN, BH], gl.float32, layout=ST_L)
-    qh = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, QL))
-    qc = gl.arange(0, 512, layout=gl.SliceLayout(0, QL))
-    qv = gl.load(q_ptr + ((tok.to(gl.int64) * h_q + qh) * 512)[:, None] + qc[None, :], mask=(qh < h_q)[:, None],
-                 other=0.0)
-    q_smem.store(qv.to(OUT))
+    _load_q(q_ptr, tok, h_q, hb, q_smem, BH, ABLATE)
     for ti in range(lo, hi, U):
         vs = _units_mask(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
                          idx_extra, n2, RING_N, U, HAS_EXTRA, gl.SliceLayout(1, ST_L))
@@ -373,6 +391,8 @@ def wgmma_decode_kernel(
         per = ((tiles + num_splits - 1) // num_splits + U - 1) // U * U
         lo = split * per
         hi = gl.minimum(lo + per, tiles)
+    if ABLATE & 64:     # (timing ablation 64: no tiles)
+        hi = lo
     idx_main = idx_ptr + tok.to(gl.int64) * topk
     idx_extra = eidx_ptr + tok.to(gl.int64) * etopk
 
@@ -403,10 +423,10 @@ def wgmma_decode_kernel(
                          ABLATE, NST, PW, 1)),
         ], [PW], [PRODUCER_REGS])
         _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
-                  num_splits, HAS_SINK, PARTIAL, BH, O_L)
+                  num_splits, HAS_SINK, PARTIAL, BH, O_L, ABLATE)
     else:
-        # O^T back to [BH, 512], in a plain layout for the epilogue's row-wise stores.
-        OB_L: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [8, 1], [1, 0])
+        # O^T back to [BH, 512], in the layout of the epilogue's row-wise stores.
+        OB_L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
         m_i, l_i, ot = gl.warp_specialize([
             (_consumer_t, (q_ptr, tok, h_q, hb, q_smem, k_smem, p_smem, nope_r, rope_r, sc_r, ready, empty, lo, hi,
                            tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
@@ -417,4 +437,4 @@ def wgmma_decode_kernel(
         ], [PW], [PRODUCER_REGS])
         o = gl.convert_layout(gl.permute(ot, (1, 0)), OB_L)
         _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
-                  num_splits, HAS_SINK, PARTIAL, BH, OB_L)
+                  num_splits, HAS_SINK, PARTIAL, BH, OB_L, ABLATE)
