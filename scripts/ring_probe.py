@@ -2,7 +2,8 @@
 the default; splits 1 and 3), then timed (CUDA graph, median) at SPEC shapes (SHAPES, e.g.
 "DSA:32,V4-CSA:128"; empty for checks only). VARIANTS: JSON {name: MMAConfig kwargs}; a
 variant's "nst" key, if any, sets the Gluon kernel's ring stages (mla.kernels.wgmma.NUM_STAGES)
-while that variant runs; its "shapes" key, if any, lists the SHAPES entries it is timed at."""
+while that variant runs; its "combine" key, if any, updates mla.kernels.mma.COMBINE (the combine
+kernel's launch) likewise; its "shapes" key, if any, lists the SHAPES entries it is timed at."""
 import json
 import os
 import sys
@@ -13,23 +14,26 @@ import torch  # noqa: E402
 
 from mla import bench  # noqa: E402
 from mla.bench import Case  # noqa: E402
-from mla.kernels import wgmma  # noqa: E402
+from mla.kernels import mma, wgmma  # noqa: E402
 from mla.kernels.mma import MMAConfig, mma_sparse_decode  # noqa: E402
 
 variants = json.loads(os.environ["VARIANTS"])
 nst = {name: kw.pop("nst", None) for name, kw in variants.items()}
 only = {name: kw.pop("shapes", None) for name, kw in variants.items()}   # optional: the SHAPES a variant runs at
+comb = {name: kw.pop("combine", None) for name, kw in variants.items()}   # optional: mla.kernels.mma.COMBINE
 
 
 def run(name, *a, **k):
-    """One call of variant ``name``, with its ring stages (if set) in force."""
+    """One call of variant ``name``, with its ring stages and combine launch (if set) in force."""
     cfg = MMAConfig(**variants[name])
-    saved = wgmma.NUM_STAGES
+    saved, saved_c = wgmma.NUM_STAGES, dict(mma.COMBINE)
     wgmma.NUM_STAGES = nst[name] or saved
+    mma.COMBINE.update(comb[name] or {})
     try:
         return mma_sparse_decode(*a, **k, config=cfg)
     finally:
         wgmma.NUM_STAGES = saved
+        mma.COMBINE.update(saved_c)
 
 
 check = [n for n, k in variants.items() if not k.get("ablate", 0)]   # ablations' results are wrong

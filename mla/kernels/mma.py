@@ -287,6 +287,10 @@ def combine_kernel(po_ptr, plse_ptr, out_ptr, lse_ptr, sink_ptr, s_q, h_q, num_s
     tl.store(lse_ptr + (b * h_q + heads) * s_q + s_idx, tl.where(empty, float("inf"), lse), mask=hmask)
 
 
+#: the combine kernel's launch: heads per program and warps
+COMBINE = {"block_hc": 1, "num_warps": 4}
+
+
 @dataclass(frozen=True)
 class MMAConfig:
     """Launch parameters of :func:`mma_decode_kernel`."""
@@ -301,7 +305,7 @@ class MMAConfig:
     prefetch: bool = False     # hand-pipelined loop: next tile's bytes in flight during the math
     dot: str = "fp16"          # tensor-core operand type: "fp16" (P to 2**-11) or "bf16" (P to 2**-8)
     p_split: bool = False      # bf16 only: P.V with P as two bf16 terms (hi + lo), 2x the P.V work
-    ablate: int = 0            # timing ablations only (1: no gather); results are wrong
+    ablate: int = 0            # timing ablations only (1: no gather; 512: no combine); results are wrong
     dv_halves: int = 1         # 2: two programs per head block, each owning 256 output columns
     partial_fp16: bool = True  # split partial outputs stored as fp16 (half the traffic of fp32)
     maxnreg: int = 0           # registers per thread ptxas may use (0: its own choice, up to 255)
@@ -530,9 +534,9 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
             P_SPLIT=cfg.p_split and not _runtime.INTERPRET, DV_HALVES=cfg.dv_halves,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-    if ns > 1:
-        bhc = 1
+    if ns > 1 and not cfg.ablate & 512:
+        bhc = COMBINE["block_hc"]
         combine_kernel[(b * s_q, triton.cdiv(h_q, bhc))](
             po, plse, out, lse, sink, s_q, h_q, ns, HAS_SINK=attn_sink is not None, BLOCK_HC=bhc,
-            num_warps=4)
+            num_warps=COMBINE["num_warps"])
     return out, lse
