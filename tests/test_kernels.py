@@ -40,6 +40,21 @@ def test_mma_split_k_combine_matches_reference(splits, device):
     assert out_ok.ok and lse_ok.ok, f"{out_ok} | {lse_ok}"
 
 
+def test_mma_combine_merges_more_splits_than_one_chunk(device):
+    """More splits than the combine merges at once (mla.kernels.mma.COMBINE's block_s, 16). On the
+    interpreter's 16-token tiles: batch 0's first 16 splits hold one valid token each and the
+    last 3 all of theirs, so the second chunk's larger LSEs rescale what the first merged; the
+    first 16 splits of batch 1 have no valid token, so the merge starts from nothing; batch 2's
+    query has none at all."""
+    case = make_case(b=3, s_q=1, h_q=3, topk=300, page=16, invalid_frac=0.0, device=device, seed=17)
+    case["indices"][0, 0, :256][torch.arange(256) % 16 != 0] = -1
+    case["indices"][1, 0, :256] = -1
+    case["indices"][2, 0, :] = -1
+    assert mla.kernels.mma.COMBINE["block_s"] < 19
+    out_ok, lse_ok = run_case(functools.partial(mma_sparse_decode, splits=19), case)
+    assert out_ok.ok and lse_ok.ok, f"{out_ok} | {lse_ok}"
+
+
 @pytest.mark.parametrize("partial_fp16", [False, True])
 @pytest.mark.parametrize("dv_halves", [1, 2])
 def test_mma_output_halves_and_partial_types_match_reference(dv_halves, partial_fp16, device):
