@@ -40,17 +40,15 @@ def test_mma_split_k_combine_matches_reference(splits, device):
     assert out_ok.ok and lse_ok.ok, f"{out_ok} | {lse_ok}"
 
 
-def test_mma_combine_merges_more_splits_than_one_chunk(device):
-    """More splits than the combine merges at once (mla.kernels.mma.COMBINE's block_s, 16). On the
-    interpreter's 16-token tiles: batch 0's first 16 splits hold one valid token each and the
-    last 3 all of theirs, so the second chunk's larger LSEs rescale what the first merged; the
-    first 16 splits of batch 1 have no valid token, so the merge starts from nothing; batch 2's
-    query has none at all."""
+def test_mma_combine_merges_many_splits(device):
+    """The combine over 19 splits. On the interpreter's 16-token tiles: batch 0's first 16 splits
+    hold one valid token each and the last 3 all of theirs, so the largest LSEs come last; the
+    first 16 splits of batch 1 have no valid token; batch 2's query has none at all. (This case
+    caught an online merge that forgot to rescale what earlier splits had merged.)"""
     case = make_case(b=3, s_q=1, h_q=3, topk=300, page=16, invalid_frac=0.0, device=device, seed=17)
     case["indices"][0, 0, :256][torch.arange(256) % 16 != 0] = -1
     case["indices"][1, 0, :256] = -1
     case["indices"][2, 0, :] = -1
-    assert mla.kernels.mma.COMBINE["block_s"] < 19
     out_ok, lse_ok = run_case(functools.partial(mma_sparse_decode, splits=19), case)
     assert out_ok.ok and lse_ok.ok, f"{out_ok} | {lse_ok}"
 

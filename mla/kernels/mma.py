@@ -251,48 +251,6 @@ def mma_decode_kernel(
 
 @triton.jit
 def combine_kernel(po_ptr, plse_ptr, out_ptr, lse_ptr, sink_ptr, s_q, h_q, num_splits,
-                   HAS_SINK: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Merge the split partials of one head of one query token; apply the sink. The splits go
-    ``BLOCK_S`` at a time, each chunk's LSEs and rows loaded together and merged online (a chunk
-    rescales what came before), so that up to ``BLOCK_S`` splits cost one round trip to memory,
-    not one per split. Every split's partial row is written (zeros for a split with no valid
-    token, whose LSE is -inf), so a row is loaded whatever its weight."""
-    tok = tl.program_id(0)
-    head = tl.program_id(1)
-    b = tok // s_q
-    s_idx = tok - b * s_q
-    c = tl.arange(0, 512)
-    sp = tl.arange(0, BLOCK_S)
-    base = tok.to(tl.int64) * num_splits * h_q + head
-    m = float("-inf")
-    wsum = 0.0
-    acc = tl.zeros([512], tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        live = s0 + sp < num_splits
-        row = base + (s0 + sp) * h_q
-        lse2 = tl.load(plse_ptr + row, mask=live, other=float("-inf"))
-        o = tl.load(po_ptr + row[:, None] * 512 + c[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(lse2, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        w = tl.exp2(lse2 - m_safe)
-        acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
-        wsum = wsum * alpha + tl.sum(w, axis=0)
-        m = m_new
-    empty = wsum == 0.0
-    wsafe = tl.where(empty, 1.0, wsum)
-    lse = (tl.where(m == float("-inf"), 0.0, m) + tl.log2(wsafe)) * 0.6931471805599453
-    out = acc / wsafe
-    if HAS_SINK:
-        sink = tl.load(sink_ptr + head)
-        out = out * (1.0 / (1.0 + tl.exp(sink - tl.where(empty, 0.0, lse))))
-    out = tl.where(empty, 0.0, out)
-    tl.store(out_ptr + (tok.to(tl.int64) * h_q + head) * 512 + c, out.to(out_ptr.dtype.element_ty))
-    tl.store(lse_ptr + (b * h_q + head) * s_q + s_idx, tl.where(empty, float("inf"), lse))
-
-
-@triton.jit
-def combine_kernel_v1(po_ptr, plse_ptr, out_ptr, lse_ptr, sink_ptr, s_q, h_q, num_splits,
                    HAS_SINK: tl.constexpr, BLOCK_HC: tl.constexpr):
     """Merge the split partials of BLOCK_HC heads of one query token; apply the sink."""
     tok = tl.program_id(0)
@@ -330,7 +288,7 @@ def combine_kernel_v1(po_ptr, plse_ptr, out_ptr, lse_ptr, sink_ptr, s_q, h_q, nu
 
 
 #: the combine kernel's launch: heads per program and warps
-COMBINE = {"block_s": 16, "num_warps": 4, "v1": False}
+COMBINE = {"block_hc": 1, "num_warps": 4}
 
 
 @dataclass(frozen=True)
@@ -577,12 +535,8 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     if ns > 1 and not cfg.ablate & 512:
-        if COMBINE["v1"]:
-            combine_kernel_v1[(b * s_q, h_q)](
-                po, plse, out, lse, sink, s_q, h_q, ns, HAS_SINK=attn_sink is not None, BLOCK_HC=1,
-                num_warps=4)
-        else:
-            combine_kernel[(b * s_q, h_q)](
-                po, plse, out, lse, sink, s_q, h_q, ns, HAS_SINK=attn_sink is not None,
-                BLOCK_S=min(COMBINE["block_s"], triton.next_power_of_2(ns)), num_warps=COMBINE["num_warps"])
+        bhc = COMBINE["block_hc"]
+        combine_kernel[(b * s_q, triton.cdiv(h_q, bhc))](
+            po, plse, out, lse, sink, s_q, h_q, ns, HAS_SINK=attn_sink is not None, BLOCK_HC=bhc,
+            num_warps=COMBINE["num_warps"])
     return out, lse
