@@ -3,7 +3,8 @@ the default; splits 1 and 3), then timed (CUDA graph, median) at SPEC shapes (SH
 "DSA:32,V4-CSA:128"; empty for checks only). VARIANTS: JSON {name: MMAConfig kwargs}; a
 variant's "nst" key, if any, sets the Gluon kernel's ring stages (mla.kernels.wgmma.NUM_STAGES)
 while that variant runs; its "combine" key, if any, updates mla.kernels.mma.COMBINE (the combine
-kernel's launch) likewise; its "shapes" key, if any, lists the SHAPES entries it is timed at."""
+kernel's launch) likewise; its "splits" key, if any, fixes the split count of its timed calls; its
+"shapes" key, if any, lists the SHAPES entries it is timed at."""
 import json
 import os
 import sys
@@ -21,15 +22,19 @@ variants = json.loads(os.environ["VARIANTS"])
 nst = {name: kw.pop("nst", None) for name, kw in variants.items()}
 only = {name: kw.pop("shapes", None) for name, kw in variants.items()}   # optional: the SHAPES a variant runs at
 comb = {name: kw.pop("combine", None) for name, kw in variants.items()}   # optional: mla.kernels.mma.COMBINE
+nsp = {name: kw.pop("splits", None) for name, kw in variants.items()}    # optional: a fixed split count
 
 
 def run(name, *a, **k):
-    """One call of variant ``name``, with its ring stages and combine launch (if set) in force."""
+    """One call of variant ``name``, with its ring stages, combine launch and split count (if set) in
+    force."""
     cfg = MMAConfig(**variants[name])
     saved, saved_c = wgmma.NUM_STAGES, dict(mma.COMBINE)
     wgmma.NUM_STAGES = nst[name] or saved
     mma.COMBINE.update(comb[name] or {})
     try:
+        if nsp[name] is not None and "splits" not in k:
+            k["splits"] = nsp[name]
         return mma_sparse_decode(*a, **k, config=cfg)
     finally:
         wgmma.NUM_STAGES = saved

@@ -305,7 +305,8 @@ class MMAConfig:
     prefetch: bool = False     # hand-pipelined loop: next tile's bytes in flight during the math
     dot: str = "fp16"          # tensor-core operand type: "fp16" (P to 2**-11) or "bf16" (P to 2**-8)
     p_split: bool = False      # bf16 only: P.V with P as two bf16 terms (hi + lo), 2x the P.V work
-    ablate: int = 0            # timing ablations only (1: no gather; 512: no combine); results are wrong
+    ablate: int = 0            # timing ablations only, results wrong (1: no gather; 512: no combine;
+                               # the Gluon kernel's own bits: mla.kernels.wgmma.wgmma_decode_kernel)
     dv_halves: int = 1         # 2: two programs per head block, each owning 256 output columns
     partial_fp16: bool = True  # split partial outputs stored as fp16 (half the traffic of fp32)
     maxnreg: int = 0           # registers per thread ptxas may use (0: its own choice, up to 255)

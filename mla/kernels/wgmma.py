@@ -149,7 +149,8 @@ def _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr,
     """Normalize O (in layout ``O_L``) and store it with its LSE: final (sink applied) or a split's
     partial. O leaves as rows of 16-byte stores, a warp's 32 threads on 512 contiguous bytes: in
     the heads-as-M wgmma's layout each thread would store 4 bytes at a time and 8 threads 16
-    bytes of a row, which cost 4 to 5 us at V4-CSA b128 (results/h200/mma_probe_r24a.json)."""
+    bytes of a row, which cost 3.4 to 4.6 us at V4-CSA b32 and b128 and DSA b128
+    (results/h200/mma_probe_r24a.json)."""
     ST_L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
     heads = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, O_L))
     hmask = heads < h_q
@@ -365,7 +366,9 @@ def wgmma_decode_kernel(
     """One program per (query token, ``BH`` heads, split); see the module docstring. ``BH`` 64:
     heads as the M of the dots; 16 or 8: tokens as M (:func:`_consumer_t`), with tiles of ``U``
     ring tiles of ``BLOCK_N`` tokens. ``NST``: ring stages (:data:`NUM_STAGES`). ``ALIGN``: see
-    :func:`_tile_rows` and :func:`row_align`."""
+    :func:`_tile_rows` and :func:`row_align`. ``ABLATE``: timing ablations, whose results are
+    wrong (bits: 1 every tile reads the first tokens of page 0; with tokens as M, 2 no decode, 4
+    no S^T, 8 no P.V; 16 no Q load; 32 no store of O; 64 no tiles)."""
     gl.static_assert(BLOCK_N == 64, "shared memory is sized for 64-token ring tiles")
     gl.static_assert((BH == 64 and U == 1) or (BH == 16 and U == 1) or (BH == 8 and U == 2),
                      "heads x tile: 64 x 64 (heads as M), 16 x 64 or 8 x 128 (tokens as M)")
