@@ -237,7 +237,8 @@ def shipped_variants(arch: int) -> list[dict]:
         from .kernels.mma import tokens_as_m
 
         hop = [c for c in (configs.generic_hopper(90), configs.hopper_for("NVIDIA H200", "3.6", 90)) if c]
-        # with the tokens-as-M variants the launch rule derives from them (16 heads; 8 x 128 tokens)
+        # with the tokens-as-M forms the launch rule derives from them: at 8 heads on a GPU of 2 SMs,
+        # b 0 is below the 8 x 128 form's threshold (16 heads x 64 tokens) and b 1 at it (8 x 128)
         hop += [tokens_as_m(c, b, 1, 8, sms=2) for c in hop for b in (0, 1)]
         tables.append(dict(enumerate(hop)))
     from .kernels.mma import fill_small_grid

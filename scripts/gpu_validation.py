@@ -56,21 +56,20 @@ def _mma_tl(q, k_cache, indices, **kw):
     return mma_sparse_decode(q, k_cache, indices, **kw, config=cfg)
 
 
-def _mma_wgmma(q, k_cache, indices, variant=None, **kw):
-    """The Gluon sm_90 kernel on every case, whatever the grid and h_q: heads as M, or tokens
-    as M with 16 heads ("t16") or 8 heads and 128-token tiles ("t8")."""
-    from mla.kernels.mma import MMAConfig, mma_sparse_decode
+def _mma_wgmma(q, k_cache, indices, form="heads as M", **kw):
+    """The Gluon sm_90 kernel on every case, whatever the grid and h_q, in one of its forms
+    (mla.kernels.mma.GLUON_FORMS)."""
+    from mla.kernels.mma import GLUON_FORMS, MMAConfig, mma_sparse_decode
 
-    extra = {None: {}, "t16": dict(tokens_as_m=True), "t8": dict(tokens_as_m=True, block_n=128)}[variant]
-    return mma_sparse_decode(q, k_cache, indices, **kw, config=MMAConfig(kernel="wgmma", **extra))
+    return mma_sparse_decode(q, k_cache, indices, **kw, config=MMAConfig(**GLUON_FORMS[form]))
 
 
 def _impls(names):
     import mla
 
     forced = {"mma-bf16": _mma_bf16, "mma-tl": _mma_tl, "mma-wgmma": _mma_wgmma,
-              "mma-wgmma-t16": functools.partial(_mma_wgmma, variant="t16"),
-              "mma-wgmma-t8": functools.partial(_mma_wgmma, variant="t8")}
+              "mma-wgmma-t16": functools.partial(_mma_wgmma, form="tokens as M, 16 x 64"),
+              "mma-wgmma-t8": functools.partial(_mma_wgmma, form="tokens as M, 8 x 128")}
     return {n: forced.get(n) or functools.partial(mla.sparse_decode, impl=n) for n in names}
 
 

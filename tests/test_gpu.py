@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import mla
+from mla.kernels.mma import GLUON_FORMS
 from mla.validate import make_case, run_case
 
 pytestmark = pytest.mark.gpu
@@ -29,11 +30,7 @@ def test_kernels_on_gpu(impl, name):
     assert lse_ok.ok, str(lse_ok)
 
 
-GLUON = {"heads-as-M": dict(kernel="wgmma"), "tokens-as-M": dict(kernel="wgmma", tokens_as_m=True),
-         "tokens-as-M 8x128": dict(kernel="wgmma", tokens_as_m=True, block_n=128)}
-
-
-@pytest.mark.parametrize("variant", list(GLUON))
+@pytest.mark.parametrize("variant", list(GLUON_FORMS))
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_gluon_kernel_on_gpu(name, splits, variant):
@@ -44,7 +41,7 @@ def test_gluon_kernel_on_gpu(name, splits, variant):
     from mla.kernels.mma import MMAConfig, mma_sparse_decode
 
     case = make_case(**SHAPES[name], device="cuda", seed=len(name))
-    fn = functools.partial(mma_sparse_decode, config=MMAConfig(**GLUON[variant]), splits=splits)
+    fn = functools.partial(mma_sparse_decode, config=MMAConfig(**GLUON_FORMS[variant]), splits=splits)
     out_ok, lse_ok = run_case(fn, case)
     assert out_ok.ok, str(out_ok)
     assert lse_ok.ok, str(lse_ok)

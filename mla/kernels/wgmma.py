@@ -54,6 +54,9 @@ PRODUCER_REGS = gl.constexpr(40)
 #: on the H200 (results/h200/mma_probe_r22a.json); with 8 heads the 128-token tile buffer
 #: leaves room for two
 NUM_STAGES = 2
+#: Q's loads and O's stores, and the tokens-as-M forms' O^T once turned around: rows of 16-byte
+#: accesses, a warp's 32 threads on a row's 512 contiguous bytes (8 warps, 8 rows at a time)
+ROWS_L = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]))
 
 
 def row_align(*caches) -> int:
@@ -132,13 +135,13 @@ def _store_tile(kb, nb, sb, rope, OUT: gl.constexpr):
 
 
 @gluon.jit
-def _store_o(ptr, rows, hmask, o, ST_L: gl.constexpr, ABLATE: gl.constexpr):
-    """Store ``o [BH, 512]`` at ``ptr + rows*512``, laid out as ``ST_L`` for the stores."""
+def _store_o(ptr, rows, hmask, o, ABLATE: gl.constexpr):
+    """Store ``o [BH, 512]`` at ``ptr + rows*512``, laid out as :data:`ROWS_L` for the stores."""
     if not (ABLATE & 32):
-        o = gl.convert_layout(o, ST_L)
-        rows = gl.convert_layout(rows, gl.SliceLayout(1, ST_L))
-        hm = gl.convert_layout(hmask, gl.SliceLayout(1, ST_L))
-        c = gl.arange(0, 512, layout=gl.SliceLayout(0, ST_L))
+        o = gl.convert_layout(o, ROWS_L)
+        rows = gl.convert_layout(rows, gl.SliceLayout(1, ROWS_L))
+        hm = gl.convert_layout(hmask, gl.SliceLayout(1, ROWS_L))
+        c = gl.arange(0, 512, layout=gl.SliceLayout(0, ROWS_L))
         gl.store(ptr + rows[:, None] * 512 + c[None, :], o, mask=hm[:, None])
 
 
@@ -151,7 +154,6 @@ def _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr,
     the heads-as-M wgmma's layout each thread would store 4 bytes at a time and 8 threads 16
     bytes of a row, which cost 3.4 to 4.6 us at V4-CSA b32 and b128 and DSA b128
     (results/h200/mma_probe_r24a.json)."""
-    ST_L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
     heads = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, O_L))
     hmask = heads < h_q
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
@@ -163,14 +165,14 @@ def _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr,
     if PARTIAL:
         prow = (tok.to(gl.int64) * num_splits + split) * h_q + heads
         gl.store(plse_ptr + prow, gl.where(empty, float("-inf"), lse2), mask=hmask)
-        _store_o(po_ptr, prow, hmask, o.to(po_ptr.dtype.element_ty), ST_L, ABLATE)
+        _store_o(po_ptr, prow, hmask, o.to(po_ptr.dtype.element_ty), ABLATE)
     else:
         lse = lse2 * 0.6931471805599453
         if HAS_SINK:
             sink = gl.load(sink_ptr + heads, mask=hmask, other=0.0)
             o = o * (1.0 / (1.0 + gl.exp(sink - gl.where(empty, 0.0, lse))))[:, None]
         o = gl.where(empty[:, None], 0.0, o)
-        _store_o(out_ptr, tok.to(gl.int64) * h_q + heads, hmask, o.to(out_ptr.dtype.element_ty), ST_L, ABLATE)
+        _store_o(out_ptr, tok.to(gl.int64) * h_q + heads, hmask, o.to(out_ptr.dtype.element_ty), ABLATE)
         gl.store(lse_ptr + (b * h_q + heads) * s_q + s_idx, gl.where(empty, float("inf"), lse), mask=hmask)
 
 
@@ -180,9 +182,8 @@ def _load_q(q_ptr, tok, h_q, hb, q_smem, BH: gl.constexpr, ABLATE: gl.constexpr)
     16-byte loads (a warp's 32 threads on 512 contiguous bytes; the decode's layout, which put 8
     threads on 128 bytes, cost 1.5 us at V4-CSA b32 and b128: results/h200/mma_probe_r24b.json)."""
     if not (ABLATE & 16):       # (timing ablation 16: no Q)
-        QL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
-        qh = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, QL))
-        qc = gl.arange(0, 512, layout=gl.SliceLayout(0, QL))
+        qh = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, ROWS_L))
+        qc = gl.arange(0, 512, layout=gl.SliceLayout(0, ROWS_L))
         qv = gl.load(q_ptr + ((tok.to(gl.int64) * h_q + qh) * 512)[:, None] + qc[None, :], mask=(qh < h_q)[:, None],
                      other=0.0)
         q_smem.store(qv.to(gl.float16))
@@ -429,7 +430,6 @@ def wgmma_decode_kernel(
                   num_splits, HAS_SINK, PARTIAL, BH, O_L, ABLATE)
     else:
         # O^T back to [BH, 512], in the layout of the epilogue's row-wise stores.
-        OB_L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
         m_i, l_i, ot = gl.warp_specialize([
             (_consumer_t, (q_ptr, tok, h_q, hb, q_smem, k_smem, p_smem, nope_r, rope_r, sc_r, ready, empty, lo, hi,
                            tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
@@ -438,6 +438,6 @@ def wgmma_decode_kernel(
                          idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN,
                          ABLATE, NST, PW, U)),
         ], [PW], [PRODUCER_REGS])
-        o = gl.convert_layout(gl.permute(ot, (1, 0)), OB_L)
+        o = gl.convert_layout(gl.permute(ot, (1, 0)), ROWS_L)
         _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
-                  num_splits, HAS_SINK, PARTIAL, BH, OB_L, ABLATE)
+                  num_splits, HAS_SINK, PARTIAL, BH, ROWS_L, ABLATE)
