@@ -29,15 +29,16 @@ def run(name, *a, **k):
     """One call of variant ``name``, with its ring stages, combine launch and split count (if set) in
     force."""
     cfg = MMAConfig(**variants[name])
-    saved, saved_c = wgmma.NUM_STAGES, dict(mma.COMBINE)
+    saved, saved_ra, saved_c = wgmma.NUM_STAGES, wgmma.RA_STAGES, dict(mma.COMBINE)
     wgmma.NUM_STAGES = nst[name] or saved
+    wgmma.RA_STAGES = nst[name] or saved_ra
     mma.COMBINE.update(comb[name] or {})
     try:
         if nsp[name] is not None and "splits" not in k:
             k["splits"] = nsp[name]
         return mma_sparse_decode(*a, **k, config=cfg)
     finally:
-        wgmma.NUM_STAGES = saved
+        wgmma.NUM_STAGES, wgmma.RA_STAGES = saved, saved_ra
         mma.COMBINE.update(saved_c)
 
 

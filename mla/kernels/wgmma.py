@@ -54,9 +54,48 @@ PRODUCER_REGS = gl.constexpr(40)
 #: on the H200 (results/h200/mma_probe_r22a.json); with 8 heads the 128-token tile buffer
 #: leaves room for two
 NUM_STAGES = 2
+#: ring stages of the register-A form (:func:`_consumer_r`), which has no tile buffer: Q, P
+#: and five stages take 218 KB with 8 heads, 229 KB with 16
+RA_STAGES = 5
+#: its warps besides the producer's: one warpgroup
+RA_WARPS = 4
 #: Q's loads and O's stores, and the tokens-as-M forms' O^T once turned around: rows of 16-byte
 #: accesses, a warp's 32 threads on a row's 512 contiguous bytes (8 warps, 8 rows at a time)
 ROWS_L = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]))
+#: the same rows for a kernel of 4 warps (the register-A form, :func:`_consumer_r`)
+ROWS_L4 = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))
+
+# The register-A form's loads from the ring (:func:`_consumer_r`). Each puts a tile's raw bytes
+# straight into the registers of a wgmma A operand (``DotOperandLayout(0, ACC, 2)`` of a
+# 4-warp accumulator ``ACC``: thread (warp w, lane 4g+t) holds rows 16w+g+8i and columns
+# 2t+e+8h+16c), with the dot's reduction dimension (and O^T's rows) reordered so that each
+# thread reads contiguous bytes; Q, P^T and O are put in or taken out of the same order.
+#: S^T's A, one chunk: ring view ``[64 tokens, 2 groups, 64]`` (128 dims). Thread t reads 32
+#: contiguous bytes at 32t of each of its two rows: reduction index ``c*16+h*8+2t+e`` is
+#: dim ``t*32+c*4+h*2+e`` of the chunk.
+KL = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 0, 16], [8, 0, 0]],
+    lane_bases=[[0, 0, 32], [0, 1, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+    warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 2, 64]))
+#: S^T's A for the rope: ring view ``[64 tokens, 1, 64]`` bf16; reduction index ``c*16+h*8+2t+e``
+#: is rope dim ``t*16+c*4+h*2+e`` (32 contiguous bytes per thread and row).
+KRL = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [8, 0, 0]],
+    lane_bases=[[0, 0, 16], [0, 0, 32], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+    warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 1, 64]))
+#: O^T's A (V^T), one chunk of 16 tokens: ring view ``[16 tokens, 8 groups, 64]``. O^T row
+#: ``64r+16w+8i+g`` is dim ``(8w+g)*16+2r+i``: a thread's 16 dims are 16 contiguous bytes of
+#: each of its 4 tokens ``2t+e+8h``.
+VL = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [1, 0, 0], [8, 0, 0]],
+    lane_bases=[[2, 0, 0], [4, 0, 0], [0, 0, 16], [0, 0, 32], [0, 1, 0]],
+    warp_bases=[[0, 2, 0], [0, 4, 0]], block_bases=[], shape=[16, 8, 64]))
+#: O^T's A for the rope: ring view ``[64 tokens, 1, 64]`` bf16; rope O^T row ``16w+8i+g`` is
+#: rope dim ``(8w+g)*2+i``.
+VRL = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [1, 0, 0], [8, 0, 0], [16, 0, 0], [32, 0, 0]],
+    lane_bases=[[2, 0, 0], [4, 0, 0], [0, 0, 2], [0, 0, 4], [0, 0, 8]],
+    warp_bases=[[0, 0, 16], [0, 0, 32]], block_bases=[], shape=[64, 1, 64]))
 
 
 def row_align(*caches) -> int:
@@ -135,20 +174,21 @@ def _store_tile(kb, nb, sb, rope, OUT: gl.constexpr):
 
 
 @gluon.jit
-def _store_o(ptr, rows, hmask, o, ABLATE: gl.constexpr):
-    """Store ``o [BH, 512]`` at ``ptr + rows*512``, laid out as :data:`ROWS_L` for the stores."""
+def _store_o(ptr, rows, hmask, o, ABLATE: gl.constexpr, RL: gl.constexpr = ROWS_L):
+    """Store ``o [BH, 512]`` at ``ptr + rows*512``, laid out as ``RL`` (:data:`ROWS_L`, or
+    :data:`ROWS_L4` in a 4-warp kernel) for the stores."""
     if not (ABLATE & 32):
-        o = gl.convert_layout(o, ROWS_L)
-        rows = gl.convert_layout(rows, gl.SliceLayout(1, ROWS_L))
-        hm = gl.convert_layout(hmask, gl.SliceLayout(1, ROWS_L))
-        c = gl.arange(0, 512, layout=gl.SliceLayout(0, ROWS_L))
+        o = gl.convert_layout(o, RL)
+        rows = gl.convert_layout(rows, gl.SliceLayout(1, RL))
+        hm = gl.convert_layout(hmask, gl.SliceLayout(1, RL))
+        c = gl.arange(0, 512, layout=gl.SliceLayout(0, RL))
         gl.store(ptr + rows[:, None] * 512 + c[None, :], o, mask=hm[:, None])
 
 
 @gluon.jit
 def _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
               num_splits, HAS_SINK: gl.constexpr, PARTIAL: gl.constexpr, BH: gl.constexpr, O_L: gl.constexpr,
-              ABLATE: gl.constexpr = 0):
+              ABLATE: gl.constexpr = 0, RL: gl.constexpr = ROWS_L):
     """Normalize O (in layout ``O_L``) and store it with its LSE: final (sink applied) or a split's
     partial. O leaves as rows of 16-byte stores, a warp's 32 threads on 512 contiguous bytes: in
     the heads-as-M wgmma's layout each thread would store 4 bytes at a time and 8 threads 16
@@ -165,14 +205,14 @@ def _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr,
     if PARTIAL:
         prow = (tok.to(gl.int64) * num_splits + split) * h_q + heads
         gl.store(plse_ptr + prow, gl.where(empty, float("-inf"), lse2), mask=hmask)
-        _store_o(po_ptr, prow, hmask, o.to(po_ptr.dtype.element_ty), ABLATE)
+        _store_o(po_ptr, prow, hmask, o.to(po_ptr.dtype.element_ty), ABLATE, RL)
     else:
         lse = lse2 * 0.6931471805599453
         if HAS_SINK:
             sink = gl.load(sink_ptr + heads, mask=hmask, other=0.0)
             o = o * (1.0 / (1.0 + gl.exp(sink - gl.where(empty, 0.0, lse))))[:, None]
         o = gl.where(empty[:, None], 0.0, o)
-        _store_o(out_ptr, tok.to(gl.int64) * h_q + heads, hmask, o.to(out_ptr.dtype.element_ty), ABLATE)
+        _store_o(out_ptr, tok.to(gl.int64) * h_q + heads, hmask, o.to(out_ptr.dtype.element_ty), ABLATE, RL)
         gl.store(lse_ptr + (b * h_q + heads) * s_q + s_idx, gl.where(empty, float("inf"), lse), mask=hmask)
 
 
@@ -355,6 +395,164 @@ def _consumer_t(q_ptr, tok, h_q, hb, q_smem, k_smem, p_smem, nope_r, rope_r, sc_
 
 
 @gluon.jit
+def _dequant(raw, sb, keep):
+    """FP8 bytes ``raw [.., G, 64]`` times their UE8M0 scales ``sb [.., G]`` as fp16; a group
+    where ``keep`` is false (the scale row's eighth byte, which is padding) gives zeros."""
+    scale = gl.where(keep, (sb.to(gl.int32) << 23).to(gl.float32, bitcast=True), 0.0)
+    return raw.to(gl.float8e4nv, bitcast=True).to(gl.float16) * scale[:, :, None].to(gl.float16)
+
+
+@gluon.jit
+def _a_s(nope_st, sc_st, c: gl.constexpr, A_L: gl.constexpr):
+    """S^T's A operand for dims ``128c ..`` of a ring stage: ``[64 tokens, 128]`` fp16 in ``A_L``,
+    read as :data:`KL` (its reduction index reordered; Q is stored in the same order)."""
+    raw = nope_st.slice(2 * c, 2, dim=1).load(KL)
+    sb = sc_st.slice(2 * c, 2, dim=1).load(gl.SliceLayout(2, KL))
+    g = 2 * c + gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, KL)))
+    v = _dequant(raw, sb, (g < 7)[None, :])
+    v = gl.permute(gl.reshape(v, [64, 2, 2, 8, 2, 2]), (0, 3, 4, 1, 2, 5))
+    return gl.convert_layout(gl.reshape(v, [64, 128]), A_L, assert_trivial=True)
+
+
+@gluon.jit
+def _a_sr(rope_st, A_L: gl.constexpr):
+    """S^T's A operand for the rope: ``[64 tokens, 64]`` fp16, read as :data:`KRL`."""
+    v = rope_st.load(KRL).to(gl.float16)
+    v = gl.permute(gl.reshape(v, [64, 4, 4, 2, 2]), (0, 2, 3, 1, 4))
+    return gl.convert_layout(gl.reshape(v, [64, 64]), A_L, assert_trivial=True)
+
+
+@gluon.jit
+def _a_v(nope_st, sc_st, c: gl.constexpr, A_L: gl.constexpr):
+    """O^T's A operand (V^T) for tokens ``16c ..`` of a ring stage: ``[512, 16]`` fp16 in ``A_L``,
+    read as :data:`VL` (its rows reordered; O^T is put back in order at the end)."""
+    raw = nope_st.slice(16 * c, 16, dim=0).load(VL)
+    sb = sc_st.slice(16 * c, 16, dim=0).load(gl.SliceLayout(2, VL))
+    g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, VL)))
+    v = _dequant(raw, sb, (g < 7)[None, :])
+    # [16 tokens, 8 groups, 64] as [h, t, e | w, g2 | g10, r, i] -> rows (r, w, i, g2, g10), columns (h, t, e)
+    v = gl.permute(gl.reshape(v, [2, 4, 2, 4, 2, 4, 8, 2]), (6, 3, 7, 4, 5, 0, 1, 2))
+    return gl.convert_layout(gl.reshape(v, [512, 16]), A_L, assert_trivial=True)
+
+
+@gluon.jit
+def _a_vr(rope_st, A_L: gl.constexpr):
+    """O^T's A operand for the rope (V_rope^T): ``[64, 64 tokens]`` fp16, read as :data:`VRL`."""
+    v = rope_st.load(VRL).to(gl.float16)
+    # [64 tokens, 1, 64] as [c, h, t, e | w, g, i] -> rows (w, i, g), columns (c, h, t, e)
+    v = gl.permute(gl.reshape(v, [4, 2, 4, 2, 4, 8, 2]), (4, 6, 5, 0, 1, 2, 3))
+    return gl.convert_layout(gl.reshape(v, [64, 64]), A_L, assert_trivial=True)
+
+
+@gluon.jit
+def _load_q_r(q_ptr, tok, h_q, hb, qn_smem, qr_smem, BH: gl.constexpr, ABLATE: gl.constexpr):
+    """Q for the register-A form, as fp16 with its dims in the order of the A operands'
+    reduction index: ``qn [BH, 512]`` column ``128j + k`` is dim ``128j + 32*((k>>1)&3) +
+    4*(k>>4) + 2*((k>>3)&1) + (k&1)`` (zero from dim 448 on: the ring's eighth group is zeros),
+    ``qr [BH, 64]`` column ``k`` is dim ``448 + 16*((k>>1)&3) + 4*(k>>4) + 2*((k>>3)&1) + (k&1)``."""
+    if not (ABLATE & 16):
+        L: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0])
+        qh = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, L))
+        row = q_ptr + ((tok.to(gl.int64) * h_q + qh) * 512)[:, None]
+        hm = (qh < h_q)[:, None]
+        kk = gl.arange(0, 512, layout=gl.SliceLayout(0, L))
+        k = kk & 127
+        d = (kk >> 7) * 128 + ((k >> 1) & 3) * 32 + (k >> 4) * 4 + ((k >> 3) & 1) * 2 + (k & 1)
+        qn = gl.load(row + d[None, :], mask=hm & (d < 448)[None, :], other=0.0)
+        qn_smem.store(qn.to(gl.float16))
+        kr = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
+        dr = 448 + ((kr >> 1) & 3) * 16 + (kr >> 4) * 4 + ((kr >> 3) & 1) * 2 + (kr & 1)
+        qr_smem.store(gl.load(row + dr[None, :], mask=hm, other=0.0).to(gl.float16))
+
+
+@gluon.jit
+def _consumer_r(q_ptr, tok, h_q, hb, qn_smem, qr_smem, p_smem, nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1,
+                kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2,
+                sm_scale_log2, RING_N: gl.constexpr, HAS_EXTRA: gl.constexpr, ALIGN: gl.constexpr,
+                ABLATE: gl.constexpr, NST: gl.constexpr, BH: gl.constexpr):
+    """Default partition of the register-A form (one warpgroup; few heads): tokens as the M of
+    both dots as in :func:`_consumer_t`, but each tile is decoded from the ring straight into
+    the registers of the dots' A operands, twice (as K for ``S^T = K.Q^T``, as V^T for
+    ``O^T += V^T.P^T``), with no tile buffer: shared memory is read 2 x 36.5 KB a tile where
+    the tile buffer took 64 KB of stores and 128 KB of wgmma reads, and the ring gets the room
+    the buffer had. The rope goes through its own dots (bf16 in the cache, so its own loads);
+    the nope dots carry the ring's zero eighth group."""
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+    m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ACC))
+    l_i = gl.zeros([BH], gl.float32, layout=gl.SliceLayout(0, ACC))
+    ot = gl.zeros([512, BH], gl.float32, layout=ACC)
+    otr = gl.zeros([64, BH], gl.float32, layout=ACC)
+    s_zero = gl.zeros([RING_N, BH], gl.float32, layout=ACC)
+    _load_q_r(q_ptr, tok, h_q, hb, qn_smem, qr_smem, BH, ABLATE)
+    fence_async_shared()
+    _cta_barrier()
+    for ti in range(lo, hi):
+        j = ti - lo
+        st = j % NST
+        _c, vs, _r, _s = _tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
+                                    ec_P, ec_n, idx_extra, n2, RING_N, HAS_EXTRA, gl.SliceLayout(1, ACC), ALIGN,
+                                    ABLATE)
+        mbarrier.wait(ready.index(st), (j // NST) & 1)
+        nope_st = nope_r.index(st)
+        sc_st = sc_r.index(st)
+        rope_st = rope_r.index(st)
+        # S^T = K.Q^T, in four chunks of 128 dims and the rope, each chunk decoded while the
+        # previous one's wgmma runs
+        a = _a_s(nope_st, sc_st, 0, A_L)
+        s = warpgroup_mma(a, qn_smem.slice(0, 128, dim=1).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        for c in gl.static_range(1, 4):
+            a_n = _a_s(nope_st, sc_st, c, A_L)
+            s = warpgroup_mma(a_n, qn_smem.slice(128 * c, 128, dim=1).permute((1, 0)), s, is_async=True)
+            s, a = warpgroup_mma_wait(num_outstanding=1, deps=(s, a))
+            a = a_n
+        ar = _a_sr(rope_st, A_L)
+        s = warpgroup_mma(ar, qr_smem.permute((1, 0)), s, is_async=True)
+        s, a, ar = warpgroup_mma_wait(num_outstanding=0, deps=(s, a, ar))
+        s = gl.where(vs[:, None], s * sm_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[None, :])
+        l_i = l_i * alpha + gl.sum(p, axis=0)
+        m_i = m_new
+        p_smem.store(gl.permute(p.to(gl.float16), (1, 0)))
+        ot = ot * alpha[None, :]
+        otr = otr * alpha[None, :]
+        fence_async_shared()
+        _cta_barrier()
+        # O^T += V^T.P^T, in four chunks of 16 tokens, then the rope's
+        a = _a_v(nope_st, sc_st, 0, A_L)
+        ot = warpgroup_mma(a, p_smem.slice(0, 16, dim=1).permute((1, 0)), ot, is_async=True)
+        for c in gl.static_range(1, 4):
+            a_n = _a_v(nope_st, sc_st, c, A_L)
+            ot = warpgroup_mma(a_n, p_smem.slice(16 * c, 16, dim=1).permute((1, 0)), ot, is_async=True)
+            ot, a = warpgroup_mma_wait(num_outstanding=1, deps=(ot, a))
+            a = a_n
+        ar = _a_vr(rope_st, A_L)
+        otr = warpgroup_mma(ar, p_smem.permute((1, 0)), otr, is_async=True)
+        ot, otr, a, ar = warpgroup_mma_wait(num_outstanding=0, deps=(ot, otr, a, ar))
+        _cta_barrier()             # every thread has read the stage (and P)
+        mbarrier.arrive(empty.index(st))
+    return m_i, l_i, ot, otr
+
+
+@gluon.jit
+def _o_r(ot, otr, BH: gl.constexpr):
+    """The register-A form's O^T (nope, rows in :data:`VL`'s order, zero for dims 448..511) and
+    rope O^T (rows in :data:`VRL`'s order) as ``O [BH, 512]`` in dim order, laid out as
+    :data:`ROWS_L4`."""
+    on = gl.reshape(gl.permute(gl.reshape(ot, [8, 4, 2, 8, BH]), (1, 3, 0, 2, 4)), [512, BH])
+    orr = gl.reshape(gl.permute(gl.reshape(otr, [4, 2, 8, BH]), (0, 2, 1, 3)), [64, BH])
+    R3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [4, 1, 1], [2, 1, 0])
+    o3 = gl.convert_layout(gl.reshape(gl.permute(on, (1, 0)), [BH, 8, 64]), R3)
+    r3 = gl.convert_layout(gl.permute(orr, (1, 0)), gl.SliceLayout(1, R3))
+    g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, R3)))
+    o3 = gl.where((g == 7)[None, :, None], gl.expand_dims(r3, 1), o3)
+    return gl.convert_layout(gl.reshape(o3, [BH, 512]), ROWS_L4)
+
+
+@gluon.jit
 def wgmma_decode_kernel(
     q_ptr, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr,
     kc_ptr, kc_stride, kc_P, kc_n, idx_ptr, topk, len_ptr,
@@ -362,7 +560,7 @@ def wgmma_decode_kernel(
     s_q, h_q, sm_scale_log2, num_splits,
     HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_ELEN: gl.constexpr,
     PARTIAL: gl.constexpr, BLOCK_N: gl.constexpr, ALIGN: gl.constexpr = 16, ABLATE: gl.constexpr = 0,
-    BH: gl.constexpr = 64, NST: gl.constexpr = 2, U: gl.constexpr = 1,
+    BH: gl.constexpr = 64, NST: gl.constexpr = 2, U: gl.constexpr = 1, RA: gl.constexpr = 0,
 ):
     """One program per (query token, ``BH`` heads, split); see the module docstring. ``BH`` 64:
     heads as the M of the dots; 16 or 8: tokens as M (:func:`_consumer_t`), with tiles of ``U``
@@ -371,8 +569,11 @@ def wgmma_decode_kernel(
     wrong (bits: 1 every tile reads the first tokens of page 0; with tokens as M, 2 no decode, 4
     no S^T, 8 no P.V; 16 no Q load; 32 no store of O; 64 no tiles)."""
     gl.static_assert(BLOCK_N == 64, "shared memory is sized for 64-token ring tiles")
-    gl.static_assert((BH == 64 and U == 1) or (BH == 16 and U == 1) or (BH == 8 and U == 2),
-                     "heads x tile: 64 x 64 (heads as M), 16 x 64 or 8 x 128 (tokens as M)")
+    if RA:
+        gl.static_assert((BH == 8 or BH == 16) and U == 1, "register A: 8 or 16 heads x 64 tokens")
+    else:
+        gl.static_assert((BH == 64 and U == 1) or (BH == 16 and U == 1) or (BH == 8 and U == 2),
+                         "heads x tile: 64 x 64 (heads as M), 16 x 64 or 8 x 128 (tokens as M)")
     OUT: gl.constexpr = gl.float16
     PW: gl.constexpr = PRODUCER_WARPS
     Q_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, 512], OUT)
@@ -409,13 +610,30 @@ def wgmma_decode_kernel(
         mbarrier.init(ready.index(i), count=PW * 32)
         mbarrier.init(empty.index(i), count=1)
 
-    q_smem = gl.allocate_shared_memory(OUT, [BH, 512], Q_S)
-    k_smem = gl.allocate_shared_memory(OUT, [U * BLOCK_N, 512], K_S)
-    p_smem = gl.allocate_shared_memory(OUT, [BH, U * BLOCK_N], P_S)
+    if RA:
+        qn_smem = gl.allocate_shared_memory(OUT, [BH, 512], Q_S)
+        qr_smem = gl.allocate_shared_memory(OUT, [BH, 64], gl.NVMMASharedLayout.get_default_for([BH, 64], OUT))
+        # 32-byte swizzle: P^T's 16-token chunks (the B of O^T's chunks) start on swizzle atoms
+        p_smem = gl.allocate_shared_memory(OUT, [BH, BLOCK_N], gl.NVMMASharedLayout(32, 16, 2))
+    else:
+        q_smem = gl.allocate_shared_memory(OUT, [BH, 512], Q_S)
+        k_smem = gl.allocate_shared_memory(OUT, [U * BLOCK_N, 512], K_S)
+        p_smem = gl.allocate_shared_memory(OUT, [BH, U * BLOCK_N], P_S)
     fence_async_shared()
     _cta_barrier()
 
-    if BH == 64:
+    if RA:
+        m_i, l_i, ot, otr = gl.warp_specialize([
+            (_consumer_r, (q_ptr, tok, h_q, hb, qn_smem, qr_smem, p_smem, nope_r, rope_r, sc_r, ready, empty, lo, hi,
+                           tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
+                           idx_extra, n2, sm_scale_log2, BLOCK_N, HAS_EXTRA, ALIGN, ABLATE, NST, BH)),
+            (_producer, (nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n,
+                         idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN,
+                         ABLATE, NST, PW, 1)),
+        ], [PW], [PRODUCER_REGS])
+        _epilogue(_o_r(ot, otr, BH), m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr,
+                  s_q, h_q, num_splits, HAS_SINK, PARTIAL, BH, ROWS_L4, ABLATE, ROWS_L4)
+    elif BH == 64:
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                       instr_shape=[16, 256, 16])
         m_i, l_i, o = gl.warp_specialize([
