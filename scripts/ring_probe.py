@@ -4,7 +4,8 @@ the default; splits 1 and 3), then timed (CUDA graph, median) at SPEC shapes (SH
 variant's "nst" key, if any, sets the Gluon kernel's ring stages (mla.kernels.wgmma.NUM_STAGES)
 while that variant runs; its "combine" key, if any, updates mla.kernels.mma.COMBINE (the combine
 kernel's launch) likewise; its "splits" key, if any, fixes the split count of its timed calls; its
-"shapes" key, if any, lists the SHAPES entries it is timed at."""
+"shapes" key, if any, lists the SHAPES entries it is timed at; its "wgmma" key, if any, sets constants of
+mla.kernels.wgmma (e.g. {"INDEX_PREFETCH": 2, "PRODUCER_REGS": 56}) while it runs."""
 import json
 import os
 import sys
@@ -20,6 +21,7 @@ from mla.kernels.mma import MMAConfig, mma_sparse_decode  # noqa: E402
 
 variants = json.loads(os.environ["VARIANTS"])
 nst = {name: kw.pop("nst", None) for name, kw in variants.items()}
+mods = {name: kw.pop("wgmma", {}) for name, kw in variants.items()}   # optional: mla.kernels.wgmma constants
 only = {name: kw.pop("shapes", None) for name, kw in variants.items()}   # optional: the SHAPES a variant runs at
 comb = {name: kw.pop("combine", None) for name, kw in variants.items()}   # optional: mla.kernels.mma.COMBINE
 nsp = {name: kw.pop("splits", None) for name, kw in variants.items()}    # optional: a fixed split count
@@ -29,16 +31,23 @@ def run(name, *a, **k):
     """One call of variant ``name``, with its ring stages, combine launch and split count (if set) in
     force."""
     cfg = MMAConfig(**variants[name])
-    saved, saved_ra, saved_c = wgmma.NUM_STAGES, wgmma.RA_STAGES, dict(mma.COMBINE)
+    saved, saved_d, saved_c = wgmma.NUM_STAGES, wgmma.DUO_STAGES, dict(mma.COMBINE)
+    saved_m = {k: getattr(wgmma, k) for k in mods[name]}
+    for key, val in mods[name].items():
+        setattr(wgmma, key, val)
     wgmma.NUM_STAGES = nst[name] or saved
-    wgmma.RA_STAGES = nst[name] or saved_ra
+    wgmma.DUO_STAGES = nst[name] or saved_d
+    saved_r = wgmma.RA_STAGES
+    wgmma.RA_STAGES = nst[name] or saved_r
     mma.COMBINE.update(comb[name] or {})
     try:
         if nsp[name] is not None and "splits" not in k:
             k["splits"] = nsp[name]
         return mma_sparse_decode(*a, **k, config=cfg)
     finally:
-        wgmma.NUM_STAGES, wgmma.RA_STAGES = saved, saved_ra
+        wgmma.NUM_STAGES, wgmma.DUO_STAGES, wgmma.RA_STAGES = saved, saved_d, saved_r
+        for key, val in saved_m.items():
+            setattr(wgmma, key, val)
         mma.COMBINE.update(saved_c)
 
 

@@ -295,7 +295,7 @@ COMBINE = {"block_hc": 1, "num_warps": 4}
 GLUON_FORMS = {"heads as M": dict(kernel="wgmma"),
                "tokens as M, 16 x 64": dict(kernel="wgmma", tokens_as_m=True),
                "tokens as M, 8 x 128": dict(kernel="wgmma", tokens_as_m=True, block_n=128),
-               "tokens as M, register A": dict(kernel="wgmma", tokens_as_m=True, reg_a=True)}
+               "tokens as M, two consumers": dict(kernel="wgmma", tokens_as_m=True, duo=True)}
 
 
 @dataclass(frozen=True)
@@ -318,7 +318,8 @@ class MMAConfig:
     partial_fp16: bool = True  # split partial outputs stored as fp16 (half the traffic of fp32)
     maxnreg: int = 0           # registers per thread ptxas may use (0: its own choice, up to 255)
     kernel: str = "tl"         # "tl": the portable tl.dot kernel; "wgmma": the Gluon sm_90 kernel (mla.kernels.wgmma)
-    reg_a: bool = False        # wgmma, tokens as M: A operands decoded into registers, no tile buffer (8 or 16 heads)
+    duo: bool = False          # wgmma, tokens as M: two consumer warpgroups on alternate 64-token tiles (8 heads)
+    reg_a: bool = False        # with duo: tiles decoded straight into wgmma A registers, no tile buffers, a deeper ring
 
     @property
     def label(self) -> str:
@@ -326,8 +327,8 @@ class MMAConfig:
         if self.kernel == "wgmma":
             if not self.tokens_as_m:
                 return "Gluon, heads as M"
-            ra = ", register A" if self.reg_a else ""
-            return f"Gluon, tokens as M ({self.block_h} heads x {self.block_n} tokens{ra})"
+            duo = (", two consumers" if self.duo else "") + (", register A" if self.reg_a else "")
+            return f"Gluon, tokens as M ({self.block_h} heads x {self.block_n} tokens{duo})"
         return "tl.dot" + (", split P.V" if self.dv_halves == 2 else "")
 
     def for_heads(self, h_q: int) -> "MMAConfig":
@@ -336,8 +337,8 @@ class MMAConfig:
         kernel's head block is 64 (one warpgroup's M), or with ``tokens_as_m`` (the N of its
         S^T = K.Q^T) 16, or 8 with 128-token tiles."""
         if self.kernel == "wgmma":
-            if self.reg_a:
-                return dataclasses.replace(self, block_h=8 if h_q <= 8 else 16)
+            if self.duo:
+                return dataclasses.replace(self, block_h=8)
             return dataclasses.replace(self, block_h=(8 if self.block_n == 128 else 16) if self.tokens_as_m else 64)
         return dataclasses.replace(self, block_h=max(16, min(self.block_h, triton.next_power_of_2(h_q))))
 
@@ -483,11 +484,12 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
     if cfg.kernel == "wgmma":
         fixed = dict(num_warps=8, num_stages=1, dot="fp16", prefetch=False, p_split=False, dv_halves=1)
         off = {k: getattr(cfg, k) for k, v in fixed.items() if getattr(cfg, k) != v}
-        if (cfg.block_n not in ((64, 128) if cfg.tokens_as_m and not cfg.reg_a else (64,)) or cfg.fp8 == "int" or off
-                or (cfg.reg_a and not cfg.tokens_as_m)):
-            raise ValueError(f"config: the wgmma kernel takes block_n 64, or 128 with tokens_as_m and not reg_a (its "
-                             f"shared memory is sized for them), reg_a only with tokens_as_m, native fp8 and {fixed}; "
-                             f"got block_n={cfg.block_n}, tokens_as_m={cfg.tokens_as_m}, reg_a={cfg.reg_a}, "
+        if (cfg.block_n not in ((64, 128) if cfg.tokens_as_m and not cfg.duo else (64,)) or cfg.fp8 == "int" or off
+                or (cfg.duo and not cfg.tokens_as_m) or (cfg.reg_a and not cfg.duo)):
+            raise ValueError(f"config: the wgmma kernel takes block_n 64, or 128 with tokens_as_m and not duo (its "
+                             f"shared memory is sized for them), duo only with tokens_as_m, reg_a only with duo, native fp8 "
+                             f"and {fixed}; "
+                             f"got block_n={cfg.block_n}, tokens_as_m={cfg.tokens_as_m}, duo={cfg.duo}, "
                              f"fp8={cfg.fp8!r}"
                              + (f", {off}" if off else ""))
     if cfg.kernel == "wgmma" and (_runtime.INTERPRET or dev.type != "cuda"
@@ -537,9 +539,10 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
 
         flags["BLOCK_N"] = 64       # the ring's tiles; a 128-token tile is two of them (U = 2)
         wgmma.wgmma_decode_kernel[(n_hb, ns, b * s_q)](
-            *args, **flags, ALIGN=align, BH=cfg.block_h, U=cfg.block_n // 64, RA=int(cfg.reg_a),
-            NST=wgmma.RA_STAGES if cfg.reg_a else wgmma.NUM_STAGES,
-            num_warps=wgmma.RA_WARPS if cfg.reg_a else wgmma.NUM_WARPS)
+            *args, **flags, ALIGN=align, BH=cfg.block_h, U=cfg.block_n // 64, DUO=int(cfg.duo), IPF=wgmma.INDEX_PREFETCH,
+            PREG=wgmma.PRODUCER_REGS, CREG=wgmma.DUO_REGS,
+            RA=int(cfg.reg_a), NST=(wgmma.RA_STAGES if cfg.reg_a else wgmma.DUO_STAGES) if cfg.duo else wgmma.NUM_STAGES,
+            num_warps=wgmma.DUO_WARPS.value if cfg.duo else wgmma.NUM_WARPS)
     else:
         mma_decode_kernel[(n_hb * cfg.dv_halves, ns, b * s_q)](
             *args, **flags, BLOCK_H=cfg.block_h,

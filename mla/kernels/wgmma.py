@@ -48,28 +48,46 @@ NUM_WARPS = 8         #: the consumers (the kernel's num_warps): two warpgroups
 #: the producer partition's warps: one warpgroup, so that setmaxnreg can apply to it
 PRODUCER_WARPS = gl.constexpr(4)
 #: its registers per thread (it holds addresses only); the consumers then get 232 in the loop
-PRODUCER_REGS = gl.constexpr(40)
+PRODUCER_REGS = 40
 #: ring stages (of 64 tokens), in every variant. With 64 heads a third (40.5 KB) does not fit
 #: beside Q (64 KB), the tile buffer and P; with 16 heads (tokens as M) three fit and were slower
 #: on the H200 (results/h200/mma_probe_r22a.json); with 8 heads the 128-token tile buffer
 #: leaves room for two
 NUM_STAGES = 2
-#: ring stages of the register-A form (:func:`_consumer_r`), which has no tile buffer: Q, P
-#: and five stages take 218 KB with 8 heads, 229 KB with 16
-RA_STAGES = 5
-#: its warps besides the producer's: one warpgroup
-RA_WARPS = 4
+#: the two-consumer form (:func:`_consumer_d`): its ring stages (two 64 KB tile buffers leave
+#: room for two: Q, P, the tile buffers and the ring take 219 KB with 8 heads), and the
+#: warps of each consumer (one warpgroup) and of its kernel's default partition
+DUO_STAGES = 2
+#: the register-A two-consumer form's ring stages (:func:`_consumer_r`; no tile buffers: Q, P,
+#: the consumers' hand-over buffers and four stages take 215 KB)
+RA_STAGES = 4
+#: tiles whose indices the producer loads ahead of their copies (:func:`_producer`)
+INDEX_PREFETCH = 1
+DUO_WARPS = gl.constexpr(4)
+#: each consumer's registers per thread (the producer, the default partition, gets the rest: 40)
+DUO_REGS = 232
 #: Q's loads and O's stores, and the tokens-as-M forms' O^T once turned around: rows of 16-byte
 #: accesses, a warp's 32 threads on a row's 512 contiguous bytes (8 warps, 8 rows at a time)
 ROWS_L = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]))
-#: the same rows for a kernel of 4 warps (the register-A form, :func:`_consumer_r`)
+#: the same rows for a kernel of 4 warps (the two-consumer form, :func:`_consumer_d`)
 ROWS_L4 = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))
 
-# The register-A form's loads from the ring (:func:`_consumer_r`). Each puts a tile's raw bytes
-# straight into the registers of a wgmma A operand (``DotOperandLayout(0, ACC, 2)`` of a
-# 4-warp accumulator ``ACC``: thread (warp w, lane 4g+t) holds rows 16w+g+8i and columns
-# 2t+e+8h+16c), with the dot's reduction dimension (and O^T's rows) reordered so that each
-# thread reads contiguous bytes; Q, P^T and O are put in or taken out of the same order.
+#: The two-consumer form's reads of one 64-dim group of a ring stage (:func:`_decode_group`),
+#: ``[64 tokens, 1, 64]``, FP8 or bf16 (the rope): each thread gets 16 contiguous dims of two
+#: token rows, in the registers of a wgmma A operand (``DotOperandLayout(0, ACC, 2)`` of a
+#: 4-warp accumulator ``ACC``: thread (warp w, lane 4g+t) holds rows 16w+g+8i and reduction
+#: indices 2t+e+8h+16c) once the reduction index ``c*16+h*8+2t+e`` is taken to be dim
+#: ``t*16+c*4+h*2+e`` of the group; Q is stored in that order (:func:`_load_q_d`).
+GL = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [8, 0, 0]],
+    lane_bases=[[0, 0, 16], [0, 0, 32], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+    warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 1, 64]))
+
+
+# The register-A form's reads of the ring (:func:`_consumer_r`): each puts a tile's raw bytes
+# straight into the registers of a wgmma A operand of a 4-warp accumulator, with the dot's
+# reduction dimension (and O^T's rows) reordered so that each thread reads contiguous bytes;
+# Q, P^T and O are put in or taken out of the same order.
 #: S^T's A, one chunk: ring view ``[64 tokens, 2 groups, 64]`` (128 dims). Thread t reads 32
 #: contiguous bytes at 32t of each of its two rows: reduction index ``c*16+h*8+2t+e`` is
 #: dim ``t*32+c*4+h*2+e`` of the chunk.
@@ -77,12 +95,9 @@ KL = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 0, 16], [8, 0, 0]],
     lane_bases=[[0, 0, 32], [0, 1, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
     warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 2, 64]))
-#: S^T's A for the rope: ring view ``[64 tokens, 1, 64]`` bf16; reduction index ``c*16+h*8+2t+e``
-#: is rope dim ``t*16+c*4+h*2+e`` (32 contiguous bytes per thread and row).
-KRL = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [8, 0, 0]],
-    lane_bases=[[0, 0, 16], [0, 0, 32], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-    warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 1, 64]))
+#: S^T's A for the rope: ring view ``[64 tokens, 1, 64]`` bf16, read as :data:`GL` (reduction
+#: index ``c*16+h*8+2t+e`` is rope dim ``t*16+c*4+h*2+e``).
+KRL = GL
 #: O^T's A (V^T), one chunk of 16 tokens: ring view ``[16 tokens, 8 groups, 64]``. O^T row
 #: ``64r+16w+8i+g`` is dim ``(8w+g)*16+2r+i``: a thread's 16 dims are 16 contiguous bytes of
 #: each of its 4 tokens ``2t+e+8h``.
@@ -232,25 +247,43 @@ def _load_q(q_ptr, tok, h_q, hb, q_smem, BH: gl.constexpr, ABLATE: gl.constexpr)
 @gluon.jit
 def _producer(nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
               ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N: gl.constexpr, HAS_EXTRA: gl.constexpr,
-              ALIGN: gl.constexpr, ABLATE: gl.constexpr, NST: gl.constexpr, PW: gl.constexpr, U: gl.constexpr):
+              ALIGN: gl.constexpr, ABLATE: gl.constexpr, NST: gl.constexpr, PW: gl.constexpr, U: gl.constexpr,
+              IPF: gl.constexpr = 1):
     """Worker partition: copies each tile's raw bytes into the ring (cp.async) once the consumers
     have read the stage's previous tile; each copying thread arrives on the stage's ``ready``
-    barrier when its own copies have landed. Holds only addresses; the next tile's indices are
-    loaded before the wait. For consumer tiles of ``U`` ring tiles it copies a multiple of ``U``
-    (tiles at or past ``hi`` all invalid: zero-filled)."""
+    barrier when its own copies have landed. Holds only addresses: the indices of the next
+    ``IPF`` tiles (1 to 3) are loaded ahead, so that a tile's copies never wait for its index
+    load. For consumer tiles of ``U`` ring tiles it copies a multiple of ``U`` (tiles at or past
+    ``hi`` all invalid: zero-filled)."""
+    gl.static_assert(IPF >= 1 and IPF <= 3, "index prefetch: 1 to 3 tiles")
     LP: gl.constexpr = gl.BlockedLayout([1, 8, 16], [8, 1, 4], [PW, 1, 1], [2, 1, 0])
     RP: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, LP))
-    cache, valid, row, srow = _tile_rows(lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
-                                         ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, RP, ALIGN, ABLATE)
+    c0 = _tile_rows(lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
+                    idx_extra, n2, BLOCK_N, HAS_EXTRA, RP, ALIGN, ABLATE)
+    if IPF >= 2:
+        c1 = _tile_rows(lo + 1, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
+                        idx_extra, n2, BLOCK_N, HAS_EXTRA, RP, ALIGN, ABLATE)
+    if IPF >= 3:
+        c2 = _tile_rows(lo + 2, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
+                        idx_extra, n2, BLOCK_N, HAS_EXTRA, RP, ALIGN, ABLATE)
     for ti in range(lo, lo + (hi - lo + U - 1) // U * U):
         j = ti - lo
         st = j % NST
         mbarrier.wait(empty.index(st), ((j // NST) & 1) ^ 1)
+        cache, valid, row, srow = c0
         _copy_tile((nope_r.index(st), rope_r.index(st), sc_r.index(st)), cache, valid, row, srow, LP)
         async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
-        cache, valid, row, srow = _tile_rows(ti + 1, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
-                                             ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, RP,
-                                             ALIGN, ABLATE)
+        nxt = _tile_rows(ti + IPF, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P,
+                         ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, RP, ALIGN, ABLATE)
+        if IPF == 1:
+            c0 = nxt
+        elif IPF == 2:
+            c0 = c1
+            c1 = nxt
+        else:
+            c0 = c1
+            c1 = c2
+            c2 = nxt
 
 
 @gluon.jit
@@ -395,6 +428,128 @@ def _consumer_t(q_ptr, tok, h_q, hb, q_smem, k_smem, p_smem, nope_r, rope_r, sc_
 
 
 @gluon.jit
+def _decode_group(nope_st, rope_st, sc_st, g: gl.constexpr, ABLATE: gl.constexpr = 0):
+    """Group ``g`` (dims ``64g ..``) of a ring stage as fp16 ``[64 tokens, 1, 64]`` in :data:`GL`:
+    FP8 times its UE8M0 scale (groups 0-6), or the bf16 rope (group 7). (Timing ablation 2:
+    zeros, nothing read.)"""
+    if ABLATE & 2:
+        v = gl.zeros([64, 1, 64], gl.float16, GL)
+    elif g < 7:
+        raw = nope_st.slice(g, 1, dim=1).load(GL)
+        sb = sc_st.slice(g, 1, dim=1).load(gl.SliceLayout(2, GL))
+        scale = (sb.to(gl.int32) << 23).to(gl.float32, bitcast=True)
+        v = raw.to(gl.float8e4nv, bitcast=True).to(gl.float16) * scale[:, :, None].to(gl.float16)
+    else:
+        v = rope_st.load(GL).to(gl.float16)
+    return v
+
+
+@gluon.jit
+def _as_a(v, A_L: gl.constexpr):
+    """A decoded group (:func:`_decode_group`) as a wgmma A operand ``[64, 64]`` in ``A_L``, its
+    reduction index reordered as :data:`GL` says: a renaming of registers, no data movement."""
+    v = gl.permute(gl.reshape(v, [64, 4, 4, 2, 2]), (0, 2, 3, 1, 4))
+    return gl.convert_layout(gl.reshape(v, [64, 64]), A_L, assert_trivial=True)
+
+
+@gluon.jit
+def _load_q_d(q_ptr, tok, h_q, hb, q_smem, BH: gl.constexpr, ABLATE: gl.constexpr):
+    """Q's heads ``hb*BH ..`` into shared memory as fp16 for the two-consumer form, each 64-dim
+    group's columns in the order of :data:`GL`: column ``64g + k`` holds dim ``64g + 16*((k>>1)&3)
+    + 4*(k>>4) + 2*((k>>3)&1) + (k&1)``."""
+    if not (ABLATE & 16):
+        L: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0])
+        qh = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, L))
+        k = gl.arange(0, 512, layout=gl.SliceLayout(0, L))
+        kg = k & 63
+        d = (k >> 6) * 64 + ((kg >> 1) & 3) * 16 + (kg >> 4) * 4 + ((kg >> 3) & 1) * 2 + (kg & 1)
+        q = gl.load(q_ptr + ((tok.to(gl.int64) * h_q + qh) * 512)[:, None] + d[None, :], mask=(qh < h_q)[:, None],
+                    other=0.0)
+        q_smem.store(q.to(gl.float16))
+
+
+@gluon.jit
+def _consumer_d(WHICH: gl.constexpr, q_smem, k_smem, p_smem, nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1,
+                kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2,
+                sm_scale_log2, RING_N: gl.constexpr, HAS_EXTRA: gl.constexpr, ALIGN: gl.constexpr,
+                ABLATE: gl.constexpr, NST: gl.constexpr, BH: gl.constexpr):
+    """One consumer warpgroup of the two-consumer form: ring tiles ``WHICH, WHICH+2, ..`` of the
+    program's range, tokens as M. Each 64-dim group of a tile is decoded once, into registers
+    that are both S^T's A operand (``S^T = K.Q^T``, Q in :data:`GL`'s order) and the source of
+    this consumer's tile buffer (natural order), which is O^T's A (``O^T += V^T.P^T``). The ring
+    stage is released as soon as it is decoded. Returns this consumer's (m, l, O^T)."""
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+    m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ACC))
+    l_i = gl.zeros([BH], gl.float32, layout=gl.SliceLayout(0, ACC))
+    ot = gl.zeros([512, BH], gl.float32, layout=ACC)
+    s_zero = gl.zeros([RING_N, BH], gl.float32, layout=ACC)
+    for ti in range(lo + WHICH, hi, 2):
+        j = ti - lo
+        st = j % NST
+        _c, vs, _r, _s = _tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
+                                    ec_P, ec_n, idx_extra, n2, RING_N, HAS_EXTRA, gl.SliceLayout(1, ACC), ALIGN,
+                                    ABLATE)
+        nope_st = nope_r.index(st)
+        rope_st = rope_r.index(st)
+        sc_st = sc_r.index(st)
+        mbarrier.wait(ready.index(st), (j // NST) & 1)
+        _cta_barrier()             # this warpgroup is past its P.V of its last tile: its tile buffer is free
+        v = _decode_group(nope_st, rope_st, sc_st, 0, ABLATE)
+        k_smem.slice(0, 64, dim=1).store(gl.reshape(v, [64, 64]))
+        if ABLATE & 4:             # (timing ablation 4: no S^T wgmma)
+            for g in gl.static_range(1, 8):
+                v = _decode_group(nope_st, rope_st, sc_st, g, ABLATE)
+                k_smem.slice(64 * g, 64, dim=1).store(gl.reshape(v, [64, 64]))
+            s = s_zero
+        else:
+            a = _as_a(v, A_L)
+            s = warpgroup_mma(a, q_smem.slice(0, 64, dim=1).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            for g in gl.static_range(1, 8):
+                v = _decode_group(nope_st, rope_st, sc_st, g, ABLATE)
+                k_smem.slice(64 * g, 64, dim=1).store(gl.reshape(v, [64, 64]))
+                a_n = _as_a(v, A_L)
+                s = warpgroup_mma(a_n, q_smem.slice(64 * g, 64, dim=1).permute((1, 0)), s, is_async=True)
+                s, a = warpgroup_mma_wait(num_outstanding=1, deps=(s, a))
+                a = a_n
+            s, a = warpgroup_mma_wait(num_outstanding=0, deps=(s, a))
+        _cta_barrier()             # every thread of this warpgroup has read the stage
+        mbarrier.arrive(empty.index(st))
+        s = gl.where(vs[:, None], s * sm_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[None, :])
+        l_i = l_i * alpha + gl.sum(p, axis=0)
+        m_i = m_new
+        p_smem.store(gl.permute(p.to(gl.float16), (1, 0)))
+        ot = ot * alpha[None, :]
+        fence_async_shared()
+        _cta_barrier()             # the tile buffer and P are written
+        if not (ABLATE & 8):       # (timing ablation 8: no O^T wgmma)
+            o_tok = warpgroup_mma(k_smem.permute((1, 0)), p_smem.permute((1, 0)), ot, is_async=True)
+            ot = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
+    return m_i, l_i, ot
+
+
+@gluon.jit
+def _consumer_w(WHICH: gl.constexpr, x_smem, xml_smem, q_smem, k_smem, p_smem, nope_r, rope_r, sc_r, ready, empty, lo,
+                hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2,
+                sm_scale_log2, RING_N: gl.constexpr, HAS_EXTRA: gl.constexpr, ALIGN: gl.constexpr,
+                ABLATE: gl.constexpr, NST: gl.constexpr, BH: gl.constexpr):
+    """Worker partition: consumer ``WHICH`` (:func:`_consumer_d`), which leaves its O^T in
+    ``x_smem`` (its own tile buffer, reinterpreted) and its m and l in rows ``2*WHICH`` and
+    ``2*WHICH+1`` of ``xml_smem``, for the epilogue to merge."""
+    m_i, l_i, ot = _consumer_d(WHICH, q_smem, k_smem, p_smem, nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1,
+                               kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra,
+                               n2, sm_scale_log2, RING_N, HAS_EXTRA, ALIGN, ABLATE, NST, BH)
+    _cta_barrier()                 # its last P.V has read the tile buffer that x_smem aliases
+    x_smem.store(ot)
+    xml_smem.index(2 * WHICH).store(m_i)
+    xml_smem.index(2 * WHICH + 1).store(l_i)
+
+
+@gluon.jit
 def _dequant(raw, sb, keep):
     """FP8 bytes ``raw [.., G, 64]`` times their UE8M0 scales ``sb [.., G]`` as fp16; a group
     where ``keep`` is false (the scale row's eighth byte, which is padding) gives zeros."""
@@ -466,17 +621,16 @@ def _load_q_r(q_ptr, tok, h_q, hb, qn_smem, qr_smem, BH: gl.constexpr, ABLATE: g
 
 
 @gluon.jit
-def _consumer_r(q_ptr, tok, h_q, hb, qn_smem, qr_smem, p_smem, nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1,
+def _consumer_r(WHICH: gl.constexpr, qn_smem, qr_smem, p_smem, nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1,
                 kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2,
                 sm_scale_log2, RING_N: gl.constexpr, HAS_EXTRA: gl.constexpr, ALIGN: gl.constexpr,
                 ABLATE: gl.constexpr, NST: gl.constexpr, BH: gl.constexpr):
-    """Default partition of the register-A form (one warpgroup; few heads): tokens as the M of
-    both dots as in :func:`_consumer_t`, but each tile is decoded from the ring straight into
-    the registers of the dots' A operands, twice (as K for ``S^T = K.Q^T``, as V^T for
-    ``O^T += V^T.P^T``), with no tile buffer: shared memory is read 2 x 36.5 KB a tile where
-    the tile buffer took 64 KB of stores and 128 KB of wgmma reads, and the ring gets the room
-    the buffer had. The rope goes through its own dots (bf16 in the cache, so its own loads);
-    the nope dots carry the ring's zero eighth group."""
+    """One consumer warpgroup of the register-A form: ring tiles ``WHICH, WHICH+2, ..`` of the
+    program's range, tokens as the M of both dots as in :func:`_consumer_t`, but each tile is
+    decoded from the ring straight into the registers of the dots' A operands, twice (as K for
+    ``S^T = K.Q^T``, as V^T for ``O^T += V^T.P^T``), with no tile buffer: the ring gets the room
+    a tile buffer would take. The rope goes through its own dots (bf16 in the cache, so its own
+    loads); the nope dots carry the ring's zero eighth group. Returns (m, l, O^T, rope O^T)."""
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ACC))
@@ -484,10 +638,7 @@ def _consumer_r(q_ptr, tok, h_q, hb, qn_smem, qr_smem, p_smem, nope_r, rope_r, s
     ot = gl.zeros([512, BH], gl.float32, layout=ACC)
     otr = gl.zeros([64, BH], gl.float32, layout=ACC)
     s_zero = gl.zeros([RING_N, BH], gl.float32, layout=ACC)
-    _load_q_r(q_ptr, tok, h_q, hb, qn_smem, qr_smem, BH, ABLATE)
-    fence_async_shared()
-    _cta_barrier()
-    for ti in range(lo, hi):
+    for ti in range(lo + WHICH, hi, 2):
         j = ti - lo
         st = j % NST
         _c, vs, _r, _s = _tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
@@ -538,6 +689,23 @@ def _consumer_r(q_ptr, tok, h_q, hb, qn_smem, qr_smem, p_smem, nope_r, rope_r, s
 
 
 @gluon.jit
+def _consumer_rw(WHICH: gl.constexpr, x_smem, xr_smem, xml_smem, qn_smem, qr_smem, p_smem, nope_r, rope_r, sc_r, ready,
+                 empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
+                 idx_extra, n2, sm_scale_log2, RING_N: gl.constexpr, HAS_EXTRA: gl.constexpr, ALIGN: gl.constexpr,
+                 ABLATE: gl.constexpr, NST: gl.constexpr, BH: gl.constexpr):
+    """Worker partition: register-A consumer ``WHICH`` (:func:`_consumer_r`), which leaves its
+    O^T and rope O^T in ``x_smem`` and ``xr_smem`` and its m and l in rows ``2*WHICH`` and
+    ``2*WHICH+1`` of ``xml_smem``, for the epilogue to merge."""
+    m_i, l_i, ot, otr = _consumer_r(WHICH, qn_smem, qr_smem, p_smem, nope_r, rope_r, sc_r, ready, empty, lo, hi,
+                                    tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
+                                    idx_extra, n2, sm_scale_log2, RING_N, HAS_EXTRA, ALIGN, ABLATE, NST, BH)
+    x_smem.store(ot)
+    xr_smem.store(otr)
+    xml_smem.index(2 * WHICH).store(m_i)
+    xml_smem.index(2 * WHICH + 1).store(l_i)
+
+
+@gluon.jit
 def _o_r(ot, otr, BH: gl.constexpr):
     """The register-A form's O^T (nope, rows in :data:`VL`'s order, zero for dims 448..511) and
     rope O^T (rows in :data:`VRL`'s order) as ``O [BH, 512]`` in dim order, laid out as
@@ -560,7 +728,8 @@ def wgmma_decode_kernel(
     s_q, h_q, sm_scale_log2, num_splits,
     HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_ELEN: gl.constexpr,
     PARTIAL: gl.constexpr, BLOCK_N: gl.constexpr, ALIGN: gl.constexpr = 16, ABLATE: gl.constexpr = 0,
-    BH: gl.constexpr = 64, NST: gl.constexpr = 2, U: gl.constexpr = 1, RA: gl.constexpr = 0,
+    BH: gl.constexpr = 64, NST: gl.constexpr = 2, U: gl.constexpr = 1, DUO: gl.constexpr = 0,
+    IPF: gl.constexpr = 1, PREG: gl.constexpr = 40, CREG: gl.constexpr = 232, RA: gl.constexpr = 0,
 ):
     """One program per (query token, ``BH`` heads, split); see the module docstring. ``BH`` 64:
     heads as the M of the dots; 16 or 8: tokens as M (:func:`_consumer_t`), with tiles of ``U``
@@ -569,8 +738,8 @@ def wgmma_decode_kernel(
     wrong (bits: 1 every tile reads the first tokens of page 0; with tokens as M, 2 no decode, 4
     no S^T, 8 no P.V; 16 no Q load; 32 no store of O; 64 no tiles)."""
     gl.static_assert(BLOCK_N == 64, "shared memory is sized for 64-token ring tiles")
-    if RA:
-        gl.static_assert((BH == 8 or BH == 16) and U == 1, "register A: 8 or 16 heads x 64 tokens")
+    if DUO:
+        gl.static_assert(BH == 8 and U == 1, "two consumers: 8 heads x 64 tokens (16 heads take 235 KB)")
     else:
         gl.static_assert((BH == 64 and U == 1) or (BH == 16 and U == 1) or (BH == 8 and U == 2),
                          "heads x tile: 64 x 64 (heads as M), 16 x 64 or 8 x 128 (tokens as M)")
@@ -610,11 +779,31 @@ def wgmma_decode_kernel(
         mbarrier.init(ready.index(i), count=PW * 32)
         mbarrier.init(empty.index(i), count=1)
 
-    if RA:
+    if DUO and RA:
         qn_smem = gl.allocate_shared_memory(OUT, [BH, 512], Q_S)
         qr_smem = gl.allocate_shared_memory(OUT, [BH, 64], gl.NVMMASharedLayout.get_default_for([BH, 64], OUT))
         # 32-byte swizzle: P^T's 16-token chunks (the B of O^T's chunks) start on swizzle atoms
-        p_smem = gl.allocate_shared_memory(OUT, [BH, BLOCK_N], gl.NVMMASharedLayout(32, 16, 2))
+        p0_smem = gl.allocate_shared_memory(OUT, [BH, BLOCK_N], gl.NVMMASharedLayout(32, 16, 2))
+        p1_smem = gl.allocate_shared_memory(OUT, [BH, BLOCK_N], gl.NVMMASharedLayout(32, 16, 2))
+        xml_smem = gl.allocate_shared_memory(gl.float32, [4, BH], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        X_S: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        x0_smem = gl.allocate_shared_memory(gl.float32, [512, BH], X_S)
+        x1_smem = gl.allocate_shared_memory(gl.float32, [512, BH], X_S)
+        xr0_smem = gl.allocate_shared_memory(gl.float32, [64, BH], X_S)
+        xr1_smem = gl.allocate_shared_memory(gl.float32, [64, BH], X_S)
+        _load_q_r(q_ptr, tok, h_q, hb, qn_smem, qr_smem, BH, ABLATE)
+    elif DUO:
+        q_smem = gl.allocate_shared_memory(OUT, [BH, 512], Q_S)
+        k0_smem = gl.allocate_shared_memory(OUT, [BLOCK_N, 512], K_S)
+        k1_smem = gl.allocate_shared_memory(OUT, [BLOCK_N, 512], K_S)
+        p0_smem = gl.allocate_shared_memory(OUT, [BH, BLOCK_N], P_S)
+        p1_smem = gl.allocate_shared_memory(OUT, [BH, BLOCK_N], P_S)
+        xml_smem = gl.allocate_shared_memory(gl.float32, [4, BH], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        # each consumer's O^T, handed over in its own tile buffer once its last P.V is done
+        X_S: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        x0_smem = k0_smem._reinterpret(gl.float32, [512, BH], X_S)
+        x1_smem = k1_smem._reinterpret(gl.float32, [512, BH], X_S)
+        _load_q_d(q_ptr, tok, h_q, hb, q_smem, BH, ABLATE)
     else:
         q_smem = gl.allocate_shared_memory(OUT, [BH, 512], Q_S)
         k_smem = gl.allocate_shared_memory(OUT, [U * BLOCK_N, 512], K_S)
@@ -622,17 +811,61 @@ def wgmma_decode_kernel(
     fence_async_shared()
     _cta_barrier()
 
-    if RA:
-        m_i, l_i, ot, otr = gl.warp_specialize([
-            (_consumer_r, (q_ptr, tok, h_q, hb, qn_smem, qr_smem, p_smem, nope_r, rope_r, sc_r, ready, empty, lo, hi,
-                           tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
-                           idx_extra, n2, sm_scale_log2, BLOCK_N, HAS_EXTRA, ALIGN, ABLATE, NST, BH)),
+    if DUO and RA:
+        gl.warp_specialize([
             (_producer, (nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n,
                          idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN,
-                         ABLATE, NST, PW, 1)),
-        ], [PW], [PRODUCER_REGS])
+                         ABLATE, NST, PW, 1, IPF)),
+            (_consumer_rw, (0, x0_smem, xr0_smem, xml_smem, qn_smem, qr_smem, p0_smem, nope_r, rope_r, sc_r, ready,
+                            empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
+                            ec_P, ec_n, idx_extra, n2, sm_scale_log2, BLOCK_N, HAS_EXTRA, ALIGN, ABLATE, NST, BH)),
+            (_consumer_rw, (1, x1_smem, xr1_smem, xml_smem, qn_smem, qr_smem, p1_smem, nope_r, rope_r, sc_r, ready,
+                            empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
+                            ec_P, ec_n, idx_extra, n2, sm_scale_log2, BLOCK_N, HAS_EXTRA, ALIGN, ABLATE, NST, BH)),
+        ], [DUO_WARPS, DUO_WARPS], [CREG, CREG])
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
+        m0 = xml_smem.index(0).load(gl.SliceLayout(0, ACC))
+        l0 = xml_smem.index(1).load(gl.SliceLayout(0, ACC))
+        m1 = xml_smem.index(2).load(gl.SliceLayout(0, ACC))
+        l1 = xml_smem.index(3).load(gl.SliceLayout(0, ACC))
+        m_i = gl.maximum(m0, m1)
+        m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
+        a0 = gl.exp2(m0 - m_safe)
+        a1 = gl.exp2(m1 - m_safe)
+        l_i = l0 * a0 + l1 * a1
+        ot = x0_smem.load(ACC) * a0[None, :] + x1_smem.load(ACC) * a1[None, :]
+        otr = xr0_smem.load(ACC) * a0[None, :] + xr1_smem.load(ACC) * a1[None, :]
         _epilogue(_o_r(ot, otr, BH), m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr,
                   s_q, h_q, num_splits, HAS_SINK, PARTIAL, BH, ROWS_L4, ABLATE, ROWS_L4)
+    elif DUO:
+        # the producer is the default partition (it gets the registers the consumers leave)
+        gl.warp_specialize([
+            (_producer, (nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n,
+                         idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN,
+                         ABLATE, NST, PW, 1, IPF)),
+            (_consumer_w, (0, x0_smem, xml_smem, q_smem, k0_smem, p0_smem, nope_r, rope_r, sc_r, ready, empty, lo, hi,
+                           tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
+                           idx_extra, n2, sm_scale_log2, BLOCK_N, HAS_EXTRA, ALIGN, ABLATE, NST, BH)),
+            (_consumer_w, (1, x1_smem, xml_smem, q_smem, k1_smem, p1_smem, nope_r, rope_r, sc_r, ready, empty, lo, hi,
+                           tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
+                           idx_extra, n2, sm_scale_log2, BLOCK_N, HAS_EXTRA, ALIGN, ABLATE, NST, BH)),
+        ], [DUO_WARPS, DUO_WARPS], [CREG, CREG])
+        # merge the two consumers' online-softmax states
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
+        m0 = xml_smem.index(0).load(gl.SliceLayout(0, ACC))
+        l0 = xml_smem.index(1).load(gl.SliceLayout(0, ACC))
+        m1 = xml_smem.index(2).load(gl.SliceLayout(0, ACC))
+        l1 = xml_smem.index(3).load(gl.SliceLayout(0, ACC))
+        ot0 = x0_smem.load(ACC)
+        ot1 = x1_smem.load(ACC)
+        m_i = gl.maximum(m0, m1)
+        m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
+        a0 = gl.exp2(m0 - m_safe)
+        a1 = gl.exp2(m1 - m_safe)
+        l_i = l0 * a0 + l1 * a1
+        o = gl.convert_layout(gl.permute(ot0 * a0[None, :] + ot1 * a1[None, :], (1, 0)), ROWS_L4)
+        _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
+                  num_splits, HAS_SINK, PARTIAL, BH, ROWS_L4, ABLATE, ROWS_L4)
     elif BH == 64:
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                       instr_shape=[16, 256, 16])
@@ -642,8 +875,8 @@ def wgmma_decode_kernel(
                          n2, sm_scale_log2, BLOCK_N, HAS_EXTRA, ALIGN, ABLATE, NST, BH)),
             (_producer, (nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n,
                          idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN,
-                         ABLATE, NST, PW, 1)),
-        ], [PW], [PRODUCER_REGS])
+                         ABLATE, NST, PW, 1, IPF)),
+        ], [PW], [PREG])
         _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
                   num_splits, HAS_SINK, PARTIAL, BH, O_L, ABLATE)
     else:
@@ -654,8 +887,8 @@ def wgmma_decode_kernel(
                            idx_extra, n2, sm_scale_log2, BLOCK_N, HAS_EXTRA, ALIGN, ABLATE, NST, BH, U)),
             (_producer, (nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n,
                          idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN,
-                         ABLATE, NST, PW, U)),
-        ], [PW], [PRODUCER_REGS])
+                         ABLATE, NST, PW, U, IPF)),
+        ], [PW], [PREG])
         o = gl.convert_layout(gl.permute(ot, (1, 0)), ROWS_L)
         _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
                   num_splits, HAS_SINK, PARTIAL, BH, ROWS_L, ABLATE)

@@ -1,0 +1,89 @@
+"""Dev tool (GPU): the gather ceiling. A plain Triton kernel that only reads what a decode call
+reads (each selected token's 576 data bytes and 8 scale bytes, main and extra caches, the SPEC's
+inputs from :class:`mla.bench.Case`) and folds them into one integer per program, timed like the
+record (CUDA graph, median) at SHAPES over a few launch choices (tokens per tile, warps, splits
+per query). Its best time is how fast any kernel could fetch those bytes on this GPU with plain
+loads; the decode kernels' times are read against it. Writes gather_ceiling.json to $OUT."""
+import itertools
+import json
+import os
+import pathlib
+
+import torch
+import triton
+import triton.language as tl
+
+from mla import bench
+from mla.bench import Case
+from mla.kernels.common import cache_args
+
+
+@triton.jit
+def _rows(pos, lo_ok, idx_row, n_idx, P, stride):
+    i = tl.load(idx_row + pos, mask=lo_ok, other=-1)
+    ok = lo_ok & (i >= 0)
+    i64 = tl.where(ok, i, 0).to(tl.int64)
+    blk = i64 // P
+    off = i64 - blk * P
+    return ok, blk * stride + off * 576, blk * stride + P * 576 + off * 8
+
+
+@triton.jit
+def gather_kernel(out_ptr, kc, kst, kP, idx, topk, ec, est, eP, eidx, etopk, splits, BT: tl.constexpr):
+    b = tl.program_id(0)
+    sp = tl.program_id(1)
+    total = topk + etopk
+    per = tl.cdiv(tl.cdiv(total, BT), splits) * BT
+    lo = sp * per
+    hi = tl.minimum(lo + per, total)
+    acc = tl.zeros([BT], tl.int32)
+    c = tl.arange(0, 128)
+    c2 = tl.arange(0, 16)
+    for t0 in range(lo, hi, BT):
+        pos = t0 + tl.arange(0, BT)
+        main = pos < topk
+        ok_m, row_m, srow_m = _rows(pos, main & (pos < hi), idx + b.to(tl.int64) * topk, topk, kP, kst)
+        ok_e, row_e, srow_e = _rows(pos - topk, (~main) & (pos < hi), eidx + b.to(tl.int64) * etopk, etopk, eP,
+                                    est)
+        ok = ok_m | ok_e
+        base = tl.where(main, kc, ec)
+        row = tl.where(main, row_m, row_e)
+        srow = tl.where(main, srow_m, srow_e)
+        p = (base + row).to(tl.pointer_type(tl.int32))
+        x = tl.load(p[:, None] + c[None, :], mask=ok[:, None], other=0)
+        y = tl.load(p[:, None] + 128 + c2[None, :], mask=ok[:, None], other=0)
+        s = tl.load((base + srow).to(tl.pointer_type(tl.int64)), mask=ok, other=0)
+        acc += tl.sum(x, 1) + tl.sum(y, 1) + (s ^ (s >> 32)).to(tl.int32)
+    tl.store(out_ptr + b * splits + sp, tl.sum(acc, 0))
+
+
+def gather(q, k_cache, indices, extra_k_cache=None, extra_indices=None, bt=64, warps=8, splits=1, **_):
+    b = indices.shape[0] * indices.shape[1]
+    kc, kst, kp, _n = cache_args(k_cache)
+    ec, est, ep, _n2 = cache_args(extra_k_cache)
+    out = torch.empty(b * splits, dtype=torch.int32, device=q.device)
+    gather_kernel[(b, splits)](out, kc, kst, kp, indices, indices.shape[-1], ec, est, ep, extra_indices,
+                               extra_indices.shape[-1], splits, BT=bt, num_warps=warps)
+    return out
+
+
+if __name__ == "__main__":
+    out_dir = pathlib.Path(os.environ.get("OUT", "out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    shapes = {f"{s.name}:{s.b}": s for s in bench.spec_shapes() if s.s_q == 1}
+    rows = []
+    for spec in os.environ.get("SHAPES", "V4-TP8:128,V4-TP8:32").split(","):
+        s = shapes[spec]
+        case = Case(s, dev, pool_bytes=2e9, n_sets=16)
+        tokens = s.b * (s.topk + s.extra_topk)
+        for bt, warps, splits in itertools.product((32, 64), (4, 8), (1, 2, 4)):
+            us = bench.time_graph(case, lambda *a, _k=dict(bt=bt, warps=warps, splits=splits), **k: gather(*a, **k, **_k))
+            rows.append({"shape": s.name, "b": s.b, "bt": bt, "warps": warps, "splits": splits, "us_graph": us,
+                         "gbps": tokens * 584 / us / 1e3})
+            print(f"{s.name} b{s.b} bt{bt} w{warps} s{splits}: {us:.1f} us, {tokens * 584 / us / 1e3:.0f} GB/s",
+                  flush=True)
+        del case
+        torch.cuda.empty_cache()
+    res = {"rows": rows, "provenance": bench.provenance(bench.ceilings(dev))}
+    (out_dir / "gather_ceiling.json").write_text(json.dumps(res, indent=1))
