@@ -196,19 +196,22 @@ def mma_variant(arch: int, block_h=64, block_n=64, num_warps=8, num_stages=1, ha
 
 
 def wgmma_variant(arch: int = 90, block_n=64, has_extra=True, partial=True, partial_fp16=True, maxnreg=0,
-                  asm: tuple = (), loops=False, align=16, block_h=64) -> dict:
+                  asm: tuple = (), loops=False, align=16, block_h=64, duo=False) -> dict:
     """The Gluon sm_90 kernel's variant (:mod:`mla.kernels.wgmma`; sink and lengths on; cache
     rows copied ``align`` bytes at a time: 8 for page strides that are multiples of 8 only, as a
     contiguous cache's are at an odd page size). ``block_h`` 64: heads as M; 16 or 8: tokens as
-    M, with ``block_n`` 64 or 128 (two of the ring's 64-token tiles)."""
-    from .kernels.wgmma import NUM_STAGES, NUM_WARPS
+    M, with ``block_n`` 64 or 128 (two of the ring's 64-token tiles), or with ``duo`` (8 heads)
+    two consumer warpgroups. Warps, ring stages and register splits are the launch's."""
+    from .kernels import wgmma
 
-    return {"kernel": "wgmma_decode_kernel", "arch": arch, "num_warps": NUM_WARPS, "num_stages": 1,
+    return {"kernel": "wgmma_decode_kernel", "arch": arch,
+            "num_warps": wgmma.DUO_WARPS.value if duo else wgmma.NUM_WARPS, "num_stages": 1,
             "maxnreg": maxnreg, "loops": loops, "asm": list(asm),
             "types": {"po_ptr": "*fp16"} if partial_fp16 else {},
             "constexprs": {"HAS_SINK": True, "HAS_LEN": True, "HAS_EXTRA": has_extra, "HAS_ELEN": has_extra,
                            "PARTIAL": partial, "BLOCK_N": 64, "ALIGN": align, "BH": block_h,
-                           "NST": NUM_STAGES, "U": block_n // 64}}
+                           "NST": wgmma.DUO_STAGES if duo else wgmma.NUM_STAGES, "U": block_n // 64,
+                           "DUO": int(duo), "PREG": wgmma.PRODUCER_REGS, "CREG": wgmma.DUO_REGS}}
 
 
 def config_variant(arch: int, cfg, asm: tuple = (), loops: bool = False, has_extra: bool = True) -> dict:
@@ -216,7 +219,7 @@ def config_variant(arch: int, cfg, asm: tuple = (), loops: bool = False, has_ext
     (the Gluon kernel's for ``cfg.kernel == "wgmma"``)."""
     if cfg.kernel == "wgmma":
         return wgmma_variant(arch, block_n=cfg.block_n, has_extra=has_extra, partial_fp16=cfg.partial_fp16,
-                             maxnreg=cfg.maxnreg, asm=asm, loops=loops, block_h=cfg.block_h)
+                             maxnreg=cfg.maxnreg, asm=asm, loops=loops, block_h=cfg.block_h, duo=cfg.duo)
     return mma_variant(arch, block_h=cfg.block_h, block_n=cfg.block_n, num_warps=cfg.num_warps,
                        num_stages=cfg.num_stages, tokens_as_m=cfg.tokens_as_m, prefetch=cfg.prefetch,
                        p_split=cfg.p_split, dot={"fp16": "float16", "bf16": "bfloat16"}[cfg.dot],
@@ -237,9 +240,10 @@ def shipped_variants(arch: int) -> list[dict]:
         from .kernels.mma import tokens_as_m
 
         hop = [c for c in (configs.generic_hopper(90), configs.hopper_for("NVIDIA H200", "3.6", 90)) if c]
-        # with the tokens-as-M forms the launch rule derives from them: at 8 heads on a GPU of 2 SMs,
-        # b 0 is below the 8 x 128 form's threshold (16 heads x 64 tokens) and b 1 at it (8 x 128)
-        hop += [tokens_as_m(c, b, 1, 8, sms=2) for c in hop for b in (0, 1)]
+        # with the tokens-as-M forms the launch rule derives from them: on a GPU of 2 SMs, at 8 heads
+        # b 0 is below the 8 x 128 form's threshold (two consumers) and b 1 at it (8 x 128); at 16
+        # heads, 16 heads x 64 tokens
+        hop += [tokens_as_m(c, b, 1, h, sms=2) for c in hop for b, h in ((0, 8), (1, 8), (0, 16))]
         tables.append(dict(enumerate(hop)))
     from .kernels.mma import fill_small_grid
 

@@ -5,7 +5,7 @@ variant's "nst" key, if any, sets the Gluon kernel's ring stages (mla.kernels.wg
 while that variant runs; its "combine" key, if any, updates mla.kernels.mma.COMBINE (the combine
 kernel's launch) likewise; its "splits" key, if any, fixes the split count of its timed calls; its
 "shapes" key, if any, lists the SHAPES entries it is timed at; its "wgmma" key, if any, sets constants of
-mla.kernels.wgmma (e.g. {"INDEX_PREFETCH": 2, "PRODUCER_REGS": 56}) while it runs."""
+mla.kernels.wgmma (e.g. {"PRODUCER_REGS": 56}) while it runs."""
 import json
 import os
 import sys
@@ -37,15 +37,13 @@ def run(name, *a, **k):
         setattr(wgmma, key, val)
     wgmma.NUM_STAGES = nst[name] or saved
     wgmma.DUO_STAGES = nst[name] or saved_d
-    saved_r = wgmma.RA_STAGES
-    wgmma.RA_STAGES = nst[name] or saved_r
     mma.COMBINE.update(comb[name] or {})
     try:
         if nsp[name] is not None and "splits" not in k:
             k["splits"] = nsp[name]
         return mma_sparse_decode(*a, **k, config=cfg)
     finally:
-        wgmma.NUM_STAGES, wgmma.DUO_STAGES, wgmma.RA_STAGES = saved, saved_d, saved_r
+        wgmma.NUM_STAGES, wgmma.DUO_STAGES = saved, saved_d
         for key, val in saved_m.items():
             setattr(wgmma, key, val)
         mma.COMBINE.update(saved_c)

@@ -108,6 +108,27 @@ def test_the_gluon_kernels_tokens_as_m_variants_build_without_spills():
     assert t8["shared"] > 200 * 1024      # the 128-token fp16 tile buffer alone is 128 KB
 
 
+@pytest.mark.slow
+def test_the_gluon_kernels_two_consumer_variant_builds_within_the_h200s_shared_memory():
+    """The two-consumer form (8 heads, two warpgroups on alternate 64-token tiles, each with its
+    own 64 KB tile buffer): each consumer's loop issues, per tile, S^T as 8 groups x 4 wgmma of
+    K = 16 (A from registers) and O^T as (512/64 rows) x 4 = 32 wgmma; both loops are in the SASS
+    (one per consumer partition). Shared memory: Q 8 KB, two tile buffers, two P and two ring
+    stages, within the H200's 227 KB. Each loop spills at most 2 registers a tile (the consumers
+    run at DUO_REGS = 232 registers so that the producer keeps 40)."""
+    from mla.kernels.mma import MMAConfig
+
+    (r,) = aot.report([aot.config_variant(90, MMAConfig(kernel="wgmma", tokens_as_m=True, duo=True).for_heads(8),
+                                          loops=True)])
+    assert "error" not in r, r
+    assert r["fits"] and 200 * 1024 < r["shared"] <= aot.SMEM_LIMIT[90], r
+    assert r["num_warps"] == 4
+    assert len(r["loops"]) == 2, r["loops"]
+    for loop in r["loops"]:
+        assert loop["tensor_core"] == 32 + 32, loop
+        assert loop["spill_loads"] <= 2 and loop["spill_stores"] <= 2, loop
+
+
 def test_sass_loops_finds_backward_branches_with_tensor_core_work():
     sass = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;

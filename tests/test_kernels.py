@@ -104,7 +104,8 @@ def test_the_gluon_kernel_is_refused_off_hopper_with_a_clear_error():
 
 @pytest.mark.parametrize("field", [dict(block_n=128), dict(block_n=32), dict(num_warps=4), dict(dot="bf16"),
                                    dict(prefetch=True),
-                                   dict(dv_halves=2), dict(fp8="int"), dict(num_stages=2)])
+                                   dict(dv_halves=2), dict(fp8="int"), dict(num_stages=2), dict(duo=True),
+                                   dict(duo=True, tokens_as_m=True, block_n=128)])
 def test_the_gluon_kernel_refuses_settings_it_does_not_have(field, monkeypatch):
     """Fields of MMAConfig that only the tl.dot kernel has are refused, not silently ignored (the
     check runs before the device check, so it is reachable on the CPU)."""
@@ -132,6 +133,7 @@ def test_the_gluon_kernel_takes_128_token_tiles_with_tokens_as_m_only(monkeypatc
     assert MMAConfig(kernel="wgmma", tokens_as_m=True, block_n=128).for_heads(4).block_h == 8
     assert MMAConfig(kernel="wgmma", tokens_as_m=True).for_heads(128).block_h == 16
     assert MMAConfig(kernel="wgmma").for_heads(8).block_h == 64
+    assert MMAConfig(kernel="wgmma", tokens_as_m=True, duo=True).for_heads(128).block_h == 8   # 16 take 235 KB
 
 
 def test_the_gluon_kernel_copies_rows_as_wide_as_the_caches_alignment_allows():
@@ -169,8 +171,8 @@ def test_the_gluon_kernel_copies_rows_as_wide_as_the_caches_alignment_allows():
 def test_launch_config_picks_the_gluon_variant_by_heads_and_grid_on_a_hopper_gpu(monkeypatch):
     """The launch rule, with the GPU facts stubbed: on an sm_90 GPU (132 SMs) whose config file
     names a Gluon config, every call runs the Gluon kernel: heads as M for h_q > 16 on a grid
-    that fills the GPU, tokens as M for h_q <= 16 or a small grid (8 heads x 128 tokens at
-    h_q <= 8 with b * s_q >= 66). No Gluon config (another GPU) means the tl.dot kernel, with
+    that fills the GPU, tokens as M for h_q <= 16 or a small grid (at h_q <= 8, 8 heads x 128
+    tokens with b * s_q >= 66, else two consumers of 8 heads x 64 tokens). No Gluon config (another GPU) means the tl.dot kernel, with
     split P.V on a small grid."""
     from mla import configs
     from mla.kernels import mma as mma_mod
@@ -180,6 +182,7 @@ def test_launch_config_picks_the_gluon_variant_by_heads_and_grid_on_a_hopper_gpu
     hop = MMAConfig(kernel="wgmma")
     t16 = MMAConfig(kernel="wgmma", tokens_as_m=True, block_h=16)
     t8 = MMAConfig(kernel="wgmma", tokens_as_m=True, block_h=8, block_n=128)
+    duo = MMAConfig(kernel="wgmma", tokens_as_m=True, block_h=8, duo=True)
     monkeypatch.setattr(mma_mod._runtime, "INTERPRET", False)
     monkeypatch.setattr(mma_mod, "default_config", lambda h_q, dev: (tl16 if h_q <= 16 else tl64).for_heads(h_q))
     monkeypatch.setattr(mma_mod, "sm_count", lambda dev: 132)
@@ -191,8 +194,10 @@ def test_launch_config_picks_the_gluon_variant_by_heads_and_grid_on_a_hopper_gpu
     assert mma_mod.launch_config(8, 1, 64, 2048, cuda) == hop              # DSA b 8: 256 programs
     assert mma_mod.launch_config(1, 1, 64, 640, cuda) == t16               # V4-CSA b 1
     assert mma_mod.launch_config(32, 1, 64, 640, cuda) == hop              # V4-CSA b 32
-    assert mma_mod.launch_config(1, 1, 8, 640, cuda) == t16                # V4-TP8 b 1
-    assert mma_mod.launch_config(32, 1, 8, 640, cuda) == t16               # V4-TP8 b 32
+    assert mma_mod.launch_config(1, 1, 8, 640, cuda) == duo                # V4-TP8 b 1
+    assert mma_mod.launch_config(32, 1, 8, 640, cuda) == duo               # V4-TP8 b 32
+    assert mma_mod.launch_config(65, 1, 8, 640, cuda) == duo
+    assert mma_mod.launch_config(32, 1, 16, 640, cuda) == t16              # 9 to 16 heads: one 16-head block
     assert mma_mod.launch_config(66, 1, 8, 640, cuda) == t8
     assert mma_mod.launch_config(33, 2, 8, 640, cuda) == t8                # s_q counts like b
     assert mma_mod.launch_config(128, 1, 8, 640, cuda) == t8               # V4-TP8 b 128
@@ -214,6 +219,8 @@ def test_config_labels_name_the_kernel_and_variant():
     assert MMAConfig(kernel="wgmma", tokens_as_m=True).for_heads(8).label == "Gluon, tokens as M (16 heads x 64 tokens)"
     assert (MMAConfig(kernel="wgmma", tokens_as_m=True, block_n=128).for_heads(8).label
             == "Gluon, tokens as M (8 heads x 128 tokens)")
+    assert (MMAConfig(kernel="wgmma", tokens_as_m=True, duo=True).for_heads(64).label
+            == "Gluon, tokens as M (8 heads x 64 tokens, two consumers)")
     assert MMAConfig(dv_halves=2).label == "tl.dot, split P.V" and MMAConfig().label == "tl.dot"
 
 

@@ -319,7 +319,6 @@ class MMAConfig:
     maxnreg: int = 0           # registers per thread ptxas may use (0: its own choice, up to 255)
     kernel: str = "tl"         # "tl": the portable tl.dot kernel; "wgmma": the Gluon sm_90 kernel (mla.kernels.wgmma)
     duo: bool = False          # wgmma, tokens as M: two consumer warpgroups on alternate 64-token tiles (8 heads)
-    reg_a: bool = False        # with duo: tiles decoded straight into wgmma A registers, no tile buffers, a deeper ring
 
     @property
     def label(self) -> str:
@@ -327,7 +326,7 @@ class MMAConfig:
         if self.kernel == "wgmma":
             if not self.tokens_as_m:
                 return "Gluon, heads as M"
-            duo = (", two consumers" if self.duo else "") + (", register A" if self.reg_a else "")
+            duo = ", two consumers" if self.duo else ""
             return f"Gluon, tokens as M ({self.block_h} heads x {self.block_n} tokens{duo})"
         return "tl.dot" + (", split P.V" if self.dv_halves == 2 else "")
 
@@ -444,14 +443,16 @@ def tokens_as_m(hop: MMAConfig, b: int, s_q: int, h_q: int, sms: int) -> MMAConf
     that puts four times as many SMs on the query). With h_q <= 8 and at least half as many
     query tokens as SMs, 8 heads and 128-token tiles (each tile read once for S, the loop's
     fixed costs paid once per 128 tokens; its ring cannot run ahead of the consumers, which
-    costs more than it saves at small grids). Measured on the H200: V4-TP8 b = 1, 32, 128 in
+    costs more than it saves at small grids); below that, 8 heads and two consumer warpgroups
+    on alternate 64-token tiles (:func:`mla.kernels.wgmma._consumer_d`): V4-TP8 b = 32 in 16.3 us
+    against 17.5 with 16 heads, b = 1 in 9.5 us with either (results/h200/mma_probe_r25g.json). Measured on the H200: V4-TP8 b = 1, 32, 128 in
     9.8, 17.0, 35.7 us with 16 heads and 10.7, 17.6, 31.3 us with 8 x 128, against 10.0, 19.6,
     41.7 in the record r21 (results/h200/mma_probe_r22d.json); DSA b = 1 in 14.4 us and V4-CSA
     b = 1 in 10.6 us with 16 heads, against 18.4 and 12.7 for the tl.dot kernel's split P.V in
     the same call (mma_probe_r22e.json; 16.4 and 12.5 in r21)."""
     cfg = dataclasses.replace(hop, tokens_as_m=True, block_n=64)
-    if h_q <= 8 and 2 * b * s_q >= sms:
-        cfg = dataclasses.replace(cfg, block_n=128)
+    if h_q <= 8:
+        cfg = dataclasses.replace(cfg, **(dict(block_n=128) if 2 * b * s_q >= sms else dict(duo=True)))
     return cfg.for_heads(h_q)
 
 
@@ -485,10 +486,9 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
         fixed = dict(num_warps=8, num_stages=1, dot="fp16", prefetch=False, p_split=False, dv_halves=1)
         off = {k: getattr(cfg, k) for k, v in fixed.items() if getattr(cfg, k) != v}
         if (cfg.block_n not in ((64, 128) if cfg.tokens_as_m and not cfg.duo else (64,)) or cfg.fp8 == "int" or off
-                or (cfg.duo and not cfg.tokens_as_m) or (cfg.reg_a and not cfg.duo)):
+                or (cfg.duo and not cfg.tokens_as_m)):
             raise ValueError(f"config: the wgmma kernel takes block_n 64, or 128 with tokens_as_m and not duo (its "
-                             f"shared memory is sized for them), duo only with tokens_as_m, reg_a only with duo, native fp8 "
-                             f"and {fixed}; "
+                             f"shared memory is sized for them), duo only with tokens_as_m, native fp8 and {fixed}; "
                              f"got block_n={cfg.block_n}, tokens_as_m={cfg.tokens_as_m}, duo={cfg.duo}, "
                              f"fp8={cfg.fp8!r}"
                              + (f", {off}" if off else ""))
@@ -539,9 +539,9 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
 
         flags["BLOCK_N"] = 64       # the ring's tiles; a 128-token tile is two of them (U = 2)
         wgmma.wgmma_decode_kernel[(n_hb, ns, b * s_q)](
-            *args, **flags, ALIGN=align, BH=cfg.block_h, U=cfg.block_n // 64, DUO=int(cfg.duo), IPF=wgmma.INDEX_PREFETCH,
+            *args, **flags, ALIGN=align, BH=cfg.block_h, U=cfg.block_n // 64, DUO=int(cfg.duo),
             PREG=wgmma.PRODUCER_REGS, CREG=wgmma.DUO_REGS,
-            RA=int(cfg.reg_a), NST=(wgmma.RA_STAGES if cfg.reg_a else wgmma.DUO_STAGES) if cfg.duo else wgmma.NUM_STAGES,
+            NST=wgmma.DUO_STAGES if cfg.duo else wgmma.NUM_STAGES,
             num_warps=wgmma.DUO_WARPS.value if cfg.duo else wgmma.NUM_WARPS)
     else:
         mma_decode_kernel[(n_hb * cfg.dv_halves, ns, b * s_q)](

@@ -19,7 +19,11 @@ compute the same S, and the gather's loads stall the warps that do the math. Her
 With few heads (h_q <= 16; V4 at TP8 has 8) the consumers put the token tile, not the heads,
 in the M of the dots (:func:`_consumer_t`): ``S^T = K.Q^T`` with 16 heads as N (or 8 heads with
 128-token tiles, two ring stages decoded into one tile buffer), so that 8 heads are padded to
-16 or 8 instead of 64.
+16 or 8 instead of 64. A third few-heads form (``DUO``, :func:`_consumer_d`) runs two consumer
+warpgroups on alternate ring tiles, each with its own tile buffer and nothing shared in the
+loop; the producer is then the default partition. Each 64-dim group of a tile is decoded once,
+into registers that serve as S^T's A operand directly (Q stored with its columns reordered to
+match, :data:`GL`) and are stored into the tile buffer for O^T's A.
 
 Q (64 heads x 512, fp16) stays in shared memory for the whole program. Shared memory: Q 64 KB,
 the tile buffer 64 KB, P 8 KB and the ring 2 x 40.5 KB, 217 KB of the H200's 227. The outputs
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language import _core as _gl_core
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                              warpgroup_mma_wait)
@@ -42,6 +47,15 @@ from .common import split_range, tile_source, token_rows
 _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 # Likewise cp.async: async_copy_global_to_shared in 3.6, async_load in 3.9.
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+
+@_gl_core.builtin
+def _reinterpret(desc, dtype, shape, layout, _semantic=None):
+    """A shared-memory view of another dtype, shape and layout (a descriptor's ``_reinterpret`` in
+    Triton 3.6, ``reinterpret`` in 3.9; both call this)."""
+    return _semantic.memdesc_reinterpret(desc, _gl_core._unwrap_if_constexpr(dtype),
+                                         [_gl_core._unwrap_if_constexpr(d) for d in shape],
+                                         _gl_core._unwrap_if_constexpr(layout))
 
 BLOCK_H = 64          #: heads per program: the M of one warpgroup's wgmma
 NUM_WARPS = 8         #: the consumers (the kernel's num_warps): two warpgroups
@@ -58,11 +72,6 @@ NUM_STAGES = 2
 #: room for two: Q, P, the tile buffers and the ring take 219 KB with 8 heads), and the
 #: warps of each consumer (one warpgroup) and of its kernel's default partition
 DUO_STAGES = 2
-#: the register-A two-consumer form's ring stages (:func:`_consumer_r`; no tile buffers: Q, P,
-#: the consumers' hand-over buffers and four stages take 215 KB)
-RA_STAGES = 4
-#: tiles whose indices the producer loads ahead of their copies (:func:`_producer`)
-INDEX_PREFETCH = 1
 DUO_WARPS = gl.constexpr(4)
 #: each consumer's registers per thread (the producer, the default partition, gets the rest: 40)
 DUO_REGS = 232
@@ -82,35 +91,6 @@ GL = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [8, 0, 0]],
     lane_bases=[[0, 0, 16], [0, 0, 32], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
     warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 1, 64]))
-
-
-# The register-A form's reads of the ring (:func:`_consumer_r`): each puts a tile's raw bytes
-# straight into the registers of a wgmma A operand of a 4-warp accumulator, with the dot's
-# reduction dimension (and O^T's rows) reordered so that each thread reads contiguous bytes;
-# Q, P^T and O are put in or taken out of the same order.
-#: S^T's A, one chunk: ring view ``[64 tokens, 2 groups, 64]`` (128 dims). Thread t reads 32
-#: contiguous bytes at 32t of each of its two rows: reduction index ``c*16+h*8+2t+e`` is
-#: dim ``t*32+c*4+h*2+e`` of the chunk.
-KL = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 0, 16], [8, 0, 0]],
-    lane_bases=[[0, 0, 32], [0, 1, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-    warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 2, 64]))
-#: S^T's A for the rope: ring view ``[64 tokens, 1, 64]`` bf16, read as :data:`GL` (reduction
-#: index ``c*16+h*8+2t+e`` is rope dim ``t*16+c*4+h*2+e``).
-KRL = GL
-#: O^T's A (V^T), one chunk of 16 tokens: ring view ``[16 tokens, 8 groups, 64]``. O^T row
-#: ``64r+16w+8i+g`` is dim ``(8w+g)*16+2r+i``: a thread's 16 dims are 16 contiguous bytes of
-#: each of its 4 tokens ``2t+e+8h``.
-VL = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [1, 0, 0], [8, 0, 0]],
-    lane_bases=[[2, 0, 0], [4, 0, 0], [0, 0, 16], [0, 0, 32], [0, 1, 0]],
-    warp_bases=[[0, 2, 0], [0, 4, 0]], block_bases=[], shape=[16, 8, 64]))
-#: O^T's A for the rope: ring view ``[64 tokens, 1, 64]`` bf16; rope O^T row ``16w+8i+g`` is
-#: rope dim ``(8w+g)*2+i``.
-VRL = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 0, 1], [1, 0, 0], [8, 0, 0], [16, 0, 0], [32, 0, 0]],
-    lane_bases=[[2, 0, 0], [4, 0, 0], [0, 0, 2], [0, 0, 4], [0, 0, 8]],
-    warp_bases=[[0, 0, 16], [0, 0, 32]], block_bases=[], shape=[64, 1, 64]))
 
 
 def row_align(*caches) -> int:
@@ -247,43 +227,26 @@ def _load_q(q_ptr, tok, h_q, hb, q_smem, BH: gl.constexpr, ABLATE: gl.constexpr)
 @gluon.jit
 def _producer(nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
               ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N: gl.constexpr, HAS_EXTRA: gl.constexpr,
-              ALIGN: gl.constexpr, ABLATE: gl.constexpr, NST: gl.constexpr, PW: gl.constexpr, U: gl.constexpr,
-              IPF: gl.constexpr = 1):
-    """Worker partition: copies each tile's raw bytes into the ring (cp.async) once the consumers
-    have read the stage's previous tile; each copying thread arrives on the stage's ``ready``
-    barrier when its own copies have landed. Holds only addresses: the indices of the next
-    ``IPF`` tiles (1 to 3) are loaded ahead, so that a tile's copies never wait for its index
-    load. For consumer tiles of ``U`` ring tiles it copies a multiple of ``U`` (tiles at or past
-    ``hi`` all invalid: zero-filled)."""
-    gl.static_assert(IPF >= 1 and IPF <= 3, "index prefetch: 1 to 3 tiles")
+              ALIGN: gl.constexpr, ABLATE: gl.constexpr, NST: gl.constexpr, PW: gl.constexpr, U: gl.constexpr):
+    """Worker partition (the default one in the two-consumer form): copies each tile's raw bytes
+    into the ring (cp.async) once the consumers have read the stage's previous tile; each copying
+    thread arrives on the stage's ``ready`` barrier when its own copies have landed. Holds only
+    addresses; the next tile's indices are loaded before the wait (loading two or three tiles
+    ahead was slower: results/h200/mma_probe_r25d.json). For consumer tiles of ``U`` ring tiles
+    it copies a multiple of ``U`` (tiles at or past ``hi`` all invalid: zero-filled)."""
     LP: gl.constexpr = gl.BlockedLayout([1, 8, 16], [8, 1, 4], [PW, 1, 1], [2, 1, 0])
     RP: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, LP))
-    c0 = _tile_rows(lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
-                    idx_extra, n2, BLOCK_N, HAS_EXTRA, RP, ALIGN, ABLATE)
-    if IPF >= 2:
-        c1 = _tile_rows(lo + 1, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
-                        idx_extra, n2, BLOCK_N, HAS_EXTRA, RP, ALIGN, ABLATE)
-    if IPF >= 3:
-        c2 = _tile_rows(lo + 2, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
-                        idx_extra, n2, BLOCK_N, HAS_EXTRA, RP, ALIGN, ABLATE)
+    cache, valid, row, srow = _tile_rows(lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
+                                         ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, RP, ALIGN, ABLATE)
     for ti in range(lo, lo + (hi - lo + U - 1) // U * U):
         j = ti - lo
         st = j % NST
         mbarrier.wait(empty.index(st), ((j // NST) & 1) ^ 1)
-        cache, valid, row, srow = c0
         _copy_tile((nope_r.index(st), rope_r.index(st), sc_r.index(st)), cache, valid, row, srow, LP)
         async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
-        nxt = _tile_rows(ti + IPF, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P,
-                         ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, RP, ALIGN, ABLATE)
-        if IPF == 1:
-            c0 = nxt
-        elif IPF == 2:
-            c0 = c1
-            c1 = nxt
-        else:
-            c0 = c1
-            c1 = c2
-            c2 = nxt
+        cache, valid, row, srow = _tile_rows(ti + 1, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
+                                             ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, RP,
+                                             ALIGN, ABLATE)
 
 
 @gluon.jit
@@ -550,177 +513,6 @@ def _consumer_w(WHICH: gl.constexpr, x_smem, xml_smem, q_smem, k_smem, p_smem, n
 
 
 @gluon.jit
-def _dequant(raw, sb, keep):
-    """FP8 bytes ``raw [.., G, 64]`` times their UE8M0 scales ``sb [.., G]`` as fp16; a group
-    where ``keep`` is false (the scale row's eighth byte, which is padding) gives zeros."""
-    scale = gl.where(keep, (sb.to(gl.int32) << 23).to(gl.float32, bitcast=True), 0.0)
-    return raw.to(gl.float8e4nv, bitcast=True).to(gl.float16) * scale[:, :, None].to(gl.float16)
-
-
-@gluon.jit
-def _a_s(nope_st, sc_st, c: gl.constexpr, A_L: gl.constexpr):
-    """S^T's A operand for dims ``128c ..`` of a ring stage: ``[64 tokens, 128]`` fp16 in ``A_L``,
-    read as :data:`KL` (its reduction index reordered; Q is stored in the same order)."""
-    raw = nope_st.slice(2 * c, 2, dim=1).load(KL)
-    sb = sc_st.slice(2 * c, 2, dim=1).load(gl.SliceLayout(2, KL))
-    g = 2 * c + gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, KL)))
-    v = _dequant(raw, sb, (g < 7)[None, :])
-    v = gl.permute(gl.reshape(v, [64, 2, 2, 8, 2, 2]), (0, 3, 4, 1, 2, 5))
-    return gl.convert_layout(gl.reshape(v, [64, 128]), A_L, assert_trivial=True)
-
-
-@gluon.jit
-def _a_sr(rope_st, A_L: gl.constexpr):
-    """S^T's A operand for the rope: ``[64 tokens, 64]`` fp16, read as :data:`KRL`."""
-    v = rope_st.load(KRL).to(gl.float16)
-    v = gl.permute(gl.reshape(v, [64, 4, 4, 2, 2]), (0, 2, 3, 1, 4))
-    return gl.convert_layout(gl.reshape(v, [64, 64]), A_L, assert_trivial=True)
-
-
-@gluon.jit
-def _a_v(nope_st, sc_st, c: gl.constexpr, A_L: gl.constexpr):
-    """O^T's A operand (V^T) for tokens ``16c ..`` of a ring stage: ``[512, 16]`` fp16 in ``A_L``,
-    read as :data:`VL` (its rows reordered; O^T is put back in order at the end)."""
-    raw = nope_st.slice(16 * c, 16, dim=0).load(VL)
-    sb = sc_st.slice(16 * c, 16, dim=0).load(gl.SliceLayout(2, VL))
-    g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, VL)))
-    v = _dequant(raw, sb, (g < 7)[None, :])
-    # [16 tokens, 8 groups, 64] as [h, t, e | w, g2 | g10, r, i] -> rows (r, w, i, g2, g10), columns (h, t, e)
-    v = gl.permute(gl.reshape(v, [2, 4, 2, 4, 2, 4, 8, 2]), (6, 3, 7, 4, 5, 0, 1, 2))
-    return gl.convert_layout(gl.reshape(v, [512, 16]), A_L, assert_trivial=True)
-
-
-@gluon.jit
-def _a_vr(rope_st, A_L: gl.constexpr):
-    """O^T's A operand for the rope (V_rope^T): ``[64, 64 tokens]`` fp16, read as :data:`VRL`."""
-    v = rope_st.load(VRL).to(gl.float16)
-    # [64 tokens, 1, 64] as [c, h, t, e | w, g, i] -> rows (w, i, g), columns (c, h, t, e)
-    v = gl.permute(gl.reshape(v, [4, 2, 4, 2, 4, 8, 2]), (4, 6, 5, 0, 1, 2, 3))
-    return gl.convert_layout(gl.reshape(v, [64, 64]), A_L, assert_trivial=True)
-
-
-@gluon.jit
-def _load_q_r(q_ptr, tok, h_q, hb, qn_smem, qr_smem, BH: gl.constexpr, ABLATE: gl.constexpr):
-    """Q for the register-A form, as fp16 with its dims in the order of the A operands'
-    reduction index: ``qn [BH, 512]`` column ``128j + k`` is dim ``128j + 32*((k>>1)&3) +
-    4*(k>>4) + 2*((k>>3)&1) + (k&1)`` (zero from dim 448 on: the ring's eighth group is zeros),
-    ``qr [BH, 64]`` column ``k`` is dim ``448 + 16*((k>>1)&3) + 4*(k>>4) + 2*((k>>3)&1) + (k&1)``."""
-    if not (ABLATE & 16):
-        L: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0])
-        qh = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, L))
-        row = q_ptr + ((tok.to(gl.int64) * h_q + qh) * 512)[:, None]
-        hm = (qh < h_q)[:, None]
-        kk = gl.arange(0, 512, layout=gl.SliceLayout(0, L))
-        k = kk & 127
-        d = (kk >> 7) * 128 + ((k >> 1) & 3) * 32 + (k >> 4) * 4 + ((k >> 3) & 1) * 2 + (k & 1)
-        qn = gl.load(row + d[None, :], mask=hm & (d < 448)[None, :], other=0.0)
-        qn_smem.store(qn.to(gl.float16))
-        kr = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
-        dr = 448 + ((kr >> 1) & 3) * 16 + (kr >> 4) * 4 + ((kr >> 3) & 1) * 2 + (kr & 1)
-        qr_smem.store(gl.load(row + dr[None, :], mask=hm, other=0.0).to(gl.float16))
-
-
-@gluon.jit
-def _consumer_r(WHICH: gl.constexpr, qn_smem, qr_smem, p_smem, nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1,
-                kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2,
-                sm_scale_log2, RING_N: gl.constexpr, HAS_EXTRA: gl.constexpr, ALIGN: gl.constexpr,
-                ABLATE: gl.constexpr, NST: gl.constexpr, BH: gl.constexpr):
-    """One consumer warpgroup of the register-A form: ring tiles ``WHICH, WHICH+2, ..`` of the
-    program's range, tokens as the M of both dots as in :func:`_consumer_t`, but each tile is
-    decoded from the ring straight into the registers of the dots' A operands, twice (as K for
-    ``S^T = K.Q^T``, as V^T for ``O^T += V^T.P^T``), with no tile buffer: the ring gets the room
-    a tile buffer would take. The rope goes through its own dots (bf16 in the cache, so its own
-    loads); the nope dots carry the ring's zero eighth group. Returns (m, l, O^T, rope O^T)."""
-    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
-    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
-    m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ACC))
-    l_i = gl.zeros([BH], gl.float32, layout=gl.SliceLayout(0, ACC))
-    ot = gl.zeros([512, BH], gl.float32, layout=ACC)
-    otr = gl.zeros([64, BH], gl.float32, layout=ACC)
-    s_zero = gl.zeros([RING_N, BH], gl.float32, layout=ACC)
-    for ti in range(lo + WHICH, hi, 2):
-        j = ti - lo
-        st = j % NST
-        _c, vs, _r, _s = _tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
-                                    ec_P, ec_n, idx_extra, n2, RING_N, HAS_EXTRA, gl.SliceLayout(1, ACC), ALIGN,
-                                    ABLATE)
-        mbarrier.wait(ready.index(st), (j // NST) & 1)
-        nope_st = nope_r.index(st)
-        sc_st = sc_r.index(st)
-        rope_st = rope_r.index(st)
-        # S^T = K.Q^T, in four chunks of 128 dims and the rope, each chunk decoded while the
-        # previous one's wgmma runs
-        a = _a_s(nope_st, sc_st, 0, A_L)
-        s = warpgroup_mma(a, qn_smem.slice(0, 128, dim=1).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        for c in gl.static_range(1, 4):
-            a_n = _a_s(nope_st, sc_st, c, A_L)
-            s = warpgroup_mma(a_n, qn_smem.slice(128 * c, 128, dim=1).permute((1, 0)), s, is_async=True)
-            s, a = warpgroup_mma_wait(num_outstanding=1, deps=(s, a))
-            a = a_n
-        ar = _a_sr(rope_st, A_L)
-        s = warpgroup_mma(ar, qr_smem.permute((1, 0)), s, is_async=True)
-        s, a, ar = warpgroup_mma_wait(num_outstanding=0, deps=(s, a, ar))
-        s = gl.where(vs[:, None], s * sm_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - m_safe[None, :])
-        l_i = l_i * alpha + gl.sum(p, axis=0)
-        m_i = m_new
-        p_smem.store(gl.permute(p.to(gl.float16), (1, 0)))
-        ot = ot * alpha[None, :]
-        otr = otr * alpha[None, :]
-        fence_async_shared()
-        _cta_barrier()
-        # O^T += V^T.P^T, in four chunks of 16 tokens, then the rope's
-        a = _a_v(nope_st, sc_st, 0, A_L)
-        ot = warpgroup_mma(a, p_smem.slice(0, 16, dim=1).permute((1, 0)), ot, is_async=True)
-        for c in gl.static_range(1, 4):
-            a_n = _a_v(nope_st, sc_st, c, A_L)
-            ot = warpgroup_mma(a_n, p_smem.slice(16 * c, 16, dim=1).permute((1, 0)), ot, is_async=True)
-            ot, a = warpgroup_mma_wait(num_outstanding=1, deps=(ot, a))
-            a = a_n
-        ar = _a_vr(rope_st, A_L)
-        otr = warpgroup_mma(ar, p_smem.permute((1, 0)), otr, is_async=True)
-        ot, otr, a, ar = warpgroup_mma_wait(num_outstanding=0, deps=(ot, otr, a, ar))
-        _cta_barrier()             # every thread has read the stage (and P)
-        mbarrier.arrive(empty.index(st))
-    return m_i, l_i, ot, otr
-
-
-@gluon.jit
-def _consumer_rw(WHICH: gl.constexpr, x_smem, xr_smem, xml_smem, qn_smem, qr_smem, p_smem, nope_r, rope_r, sc_r, ready,
-                 empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
-                 idx_extra, n2, sm_scale_log2, RING_N: gl.constexpr, HAS_EXTRA: gl.constexpr, ALIGN: gl.constexpr,
-                 ABLATE: gl.constexpr, NST: gl.constexpr, BH: gl.constexpr):
-    """Worker partition: register-A consumer ``WHICH`` (:func:`_consumer_r`), which leaves its
-    O^T and rope O^T in ``x_smem`` and ``xr_smem`` and its m and l in rows ``2*WHICH`` and
-    ``2*WHICH+1`` of ``xml_smem``, for the epilogue to merge."""
-    m_i, l_i, ot, otr = _consumer_r(WHICH, qn_smem, qr_smem, p_smem, nope_r, rope_r, sc_r, ready, empty, lo, hi,
-                                    tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
-                                    idx_extra, n2, sm_scale_log2, RING_N, HAS_EXTRA, ALIGN, ABLATE, NST, BH)
-    x_smem.store(ot)
-    xr_smem.store(otr)
-    xml_smem.index(2 * WHICH).store(m_i)
-    xml_smem.index(2 * WHICH + 1).store(l_i)
-
-
-@gluon.jit
-def _o_r(ot, otr, BH: gl.constexpr):
-    """The register-A form's O^T (nope, rows in :data:`VL`'s order, zero for dims 448..511) and
-    rope O^T (rows in :data:`VRL`'s order) as ``O [BH, 512]`` in dim order, laid out as
-    :data:`ROWS_L4`."""
-    on = gl.reshape(gl.permute(gl.reshape(ot, [8, 4, 2, 8, BH]), (1, 3, 0, 2, 4)), [512, BH])
-    orr = gl.reshape(gl.permute(gl.reshape(otr, [4, 2, 8, BH]), (0, 2, 1, 3)), [64, BH])
-    R3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [4, 1, 1], [2, 1, 0])
-    o3 = gl.convert_layout(gl.reshape(gl.permute(on, (1, 0)), [BH, 8, 64]), R3)
-    r3 = gl.convert_layout(gl.permute(orr, (1, 0)), gl.SliceLayout(1, R3))
-    g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, R3)))
-    o3 = gl.where((g == 7)[None, :, None], gl.expand_dims(r3, 1), o3)
-    return gl.convert_layout(gl.reshape(o3, [BH, 512]), ROWS_L4)
-
-
-@gluon.jit
 def wgmma_decode_kernel(
     q_ptr, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr,
     kc_ptr, kc_stride, kc_P, kc_n, idx_ptr, topk, len_ptr,
@@ -729,14 +521,17 @@ def wgmma_decode_kernel(
     HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_ELEN: gl.constexpr,
     PARTIAL: gl.constexpr, BLOCK_N: gl.constexpr, ALIGN: gl.constexpr = 16, ABLATE: gl.constexpr = 0,
     BH: gl.constexpr = 64, NST: gl.constexpr = 2, U: gl.constexpr = 1, DUO: gl.constexpr = 0,
-    IPF: gl.constexpr = 1, PREG: gl.constexpr = 40, CREG: gl.constexpr = 232, RA: gl.constexpr = 0,
+    PREG: gl.constexpr = PRODUCER_REGS, CREG: gl.constexpr = DUO_REGS,
 ):
     """One program per (query token, ``BH`` heads, split); see the module docstring. ``BH`` 64:
     heads as the M of the dots; 16 or 8: tokens as M (:func:`_consumer_t`), with tiles of ``U``
-    ring tiles of ``BLOCK_N`` tokens. ``NST``: ring stages (:data:`NUM_STAGES`). ``ALIGN``: see
-    :func:`_tile_rows` and :func:`row_align`. ``ABLATE``: timing ablations, whose results are
-    wrong (bits: 1 every tile reads the first tokens of page 0; with tokens as M, 2 no decode, 4
-    no S^T, 8 no P.V; 16 no Q load; 32 no store of O; 64 no tiles)."""
+    ring tiles of ``BLOCK_N`` tokens; ``DUO`` (8 heads): two consumers (:func:`_consumer_d`,
+    launched with :data:`DUO_WARPS` warps, the default partition's). ``NST``: ring stages
+    (:data:`NUM_STAGES`, :data:`DUO_STAGES`). ``PREG``: the producer's registers when it is a
+    worker; ``CREG``: each of the two consumers'. ``ALIGN``: see :func:`_tile_rows` and
+    :func:`row_align`. ``ABLATE``: timing ablations, whose results are wrong (bits: 1 every tile
+    reads the first tokens of page 0; with tokens as M, 2 no decode, 4 no S^T, 8 no P.V; 16 no Q
+    load; 32 no store of O; 64 no tiles)."""
     gl.static_assert(BLOCK_N == 64, "shared memory is sized for 64-token ring tiles")
     if DUO:
         gl.static_assert(BH == 8 and U == 1, "two consumers: 8 heads x 64 tokens (16 heads take 235 KB)")
@@ -779,20 +574,7 @@ def wgmma_decode_kernel(
         mbarrier.init(ready.index(i), count=PW * 32)
         mbarrier.init(empty.index(i), count=1)
 
-    if DUO and RA:
-        qn_smem = gl.allocate_shared_memory(OUT, [BH, 512], Q_S)
-        qr_smem = gl.allocate_shared_memory(OUT, [BH, 64], gl.NVMMASharedLayout.get_default_for([BH, 64], OUT))
-        # 32-byte swizzle: P^T's 16-token chunks (the B of O^T's chunks) start on swizzle atoms
-        p0_smem = gl.allocate_shared_memory(OUT, [BH, BLOCK_N], gl.NVMMASharedLayout(32, 16, 2))
-        p1_smem = gl.allocate_shared_memory(OUT, [BH, BLOCK_N], gl.NVMMASharedLayout(32, 16, 2))
-        xml_smem = gl.allocate_shared_memory(gl.float32, [4, BH], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        X_S: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        x0_smem = gl.allocate_shared_memory(gl.float32, [512, BH], X_S)
-        x1_smem = gl.allocate_shared_memory(gl.float32, [512, BH], X_S)
-        xr0_smem = gl.allocate_shared_memory(gl.float32, [64, BH], X_S)
-        xr1_smem = gl.allocate_shared_memory(gl.float32, [64, BH], X_S)
-        _load_q_r(q_ptr, tok, h_q, hb, qn_smem, qr_smem, BH, ABLATE)
-    elif DUO:
+    if DUO:
         q_smem = gl.allocate_shared_memory(OUT, [BH, 512], Q_S)
         k0_smem = gl.allocate_shared_memory(OUT, [BLOCK_N, 512], K_S)
         k1_smem = gl.allocate_shared_memory(OUT, [BLOCK_N, 512], K_S)
@@ -801,8 +583,8 @@ def wgmma_decode_kernel(
         xml_smem = gl.allocate_shared_memory(gl.float32, [4, BH], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         # each consumer's O^T, handed over in its own tile buffer once its last P.V is done
         X_S: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        x0_smem = k0_smem._reinterpret(gl.float32, [512, BH], X_S)
-        x1_smem = k1_smem._reinterpret(gl.float32, [512, BH], X_S)
+        x0_smem = _reinterpret(k0_smem, gl.float32, [512, BH], X_S)
+        x1_smem = _reinterpret(k1_smem, gl.float32, [512, BH], X_S)
         _load_q_d(q_ptr, tok, h_q, hb, q_smem, BH, ABLATE)
     else:
         q_smem = gl.allocate_shared_memory(OUT, [BH, 512], Q_S)
@@ -811,38 +593,12 @@ def wgmma_decode_kernel(
     fence_async_shared()
     _cta_barrier()
 
-    if DUO and RA:
-        gl.warp_specialize([
-            (_producer, (nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n,
-                         idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN,
-                         ABLATE, NST, PW, 1, IPF)),
-            (_consumer_rw, (0, x0_smem, xr0_smem, xml_smem, qn_smem, qr_smem, p0_smem, nope_r, rope_r, sc_r, ready,
-                            empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
-                            ec_P, ec_n, idx_extra, n2, sm_scale_log2, BLOCK_N, HAS_EXTRA, ALIGN, ABLATE, NST, BH)),
-            (_consumer_rw, (1, x1_smem, xr1_smem, xml_smem, qn_smem, qr_smem, p1_smem, nope_r, rope_r, sc_r, ready,
-                            empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
-                            ec_P, ec_n, idx_extra, n2, sm_scale_log2, BLOCK_N, HAS_EXTRA, ALIGN, ABLATE, NST, BH)),
-        ], [DUO_WARPS, DUO_WARPS], [CREG, CREG])
-        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
-        m0 = xml_smem.index(0).load(gl.SliceLayout(0, ACC))
-        l0 = xml_smem.index(1).load(gl.SliceLayout(0, ACC))
-        m1 = xml_smem.index(2).load(gl.SliceLayout(0, ACC))
-        l1 = xml_smem.index(3).load(gl.SliceLayout(0, ACC))
-        m_i = gl.maximum(m0, m1)
-        m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
-        a0 = gl.exp2(m0 - m_safe)
-        a1 = gl.exp2(m1 - m_safe)
-        l_i = l0 * a0 + l1 * a1
-        ot = x0_smem.load(ACC) * a0[None, :] + x1_smem.load(ACC) * a1[None, :]
-        otr = xr0_smem.load(ACC) * a0[None, :] + xr1_smem.load(ACC) * a1[None, :]
-        _epilogue(_o_r(ot, otr, BH), m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr,
-                  s_q, h_q, num_splits, HAS_SINK, PARTIAL, BH, ROWS_L4, ABLATE, ROWS_L4)
-    elif DUO:
+    if DUO:
         # the producer is the default partition (it gets the registers the consumers leave)
         gl.warp_specialize([
             (_producer, (nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n,
                          idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN,
-                         ABLATE, NST, PW, 1, IPF)),
+                         ABLATE, NST, PW, 1)),
             (_consumer_w, (0, x0_smem, xml_smem, q_smem, k0_smem, p0_smem, nope_r, rope_r, sc_r, ready, empty, lo, hi,
                            tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
                            idx_extra, n2, sm_scale_log2, BLOCK_N, HAS_EXTRA, ALIGN, ABLATE, NST, BH)),
@@ -875,7 +631,7 @@ def wgmma_decode_kernel(
                          n2, sm_scale_log2, BLOCK_N, HAS_EXTRA, ALIGN, ABLATE, NST, BH)),
             (_producer, (nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n,
                          idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN,
-                         ABLATE, NST, PW, 1, IPF)),
+                         ABLATE, NST, PW, 1)),
         ], [PW], [PREG])
         _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
                   num_splits, HAS_SINK, PARTIAL, BH, O_L, ABLATE)
@@ -887,7 +643,7 @@ def wgmma_decode_kernel(
                            idx_extra, n2, sm_scale_log2, BLOCK_N, HAS_EXTRA, ALIGN, ABLATE, NST, BH, U)),
             (_producer, (nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n,
                          idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN,
-                         ABLATE, NST, PW, U, IPF)),
+                         ABLATE, NST, PW, U)),
         ], [PW], [PREG])
         o = gl.convert_layout(gl.permute(ot, (1, 0)), ROWS_L)
         _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
