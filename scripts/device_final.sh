@@ -20,8 +20,8 @@ nbsetup() {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   for part in "$@"; do
     case "$part" in
-      tests) step 150 python3 -m pytest -q tests/test_gpu.py tests/test_kernels.py -p no:cacheprovider ;;
-      validation) step 200 python3 scripts/gpu_validation.py ;;
+      tests) step 300 python3 -m pytest -q tests/test_gpu.py tests/test_kernels.py -p no:cacheprovider ;;
+      validation) step 300 python3 scripts/gpu_validation.py ;;
       bench) step 150 python3 -m mla.bench --impl mma --name bench_repro --out "$OUT/repro" --no-eager ;;
       *.ipynb) nbsetup
         step 200 python3 -m papermill "$part" "$OUT/nb/$(basename "$part")" -k python3 --cwd notebooks -p SMALL False ;;

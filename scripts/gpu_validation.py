@@ -33,8 +33,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-COUNTED = ("reference", "simt", "mma", "mma-tl", "mma-wgmma", "mma-wgmma-t16", "mma-wgmma-t8")   # "reference": fp32
-GLUON = ("mma-wgmma", "mma-wgmma-t16", "mma-wgmma-t8")
+COUNTED = ("reference", "simt", "mma", "mma-tl", "mma-wgmma", "mma-wgmma-t16", "mma-wgmma-t8", "mma-wgmma-duo")   # "reference": fp32
+GLUON = ("mma-wgmma", "mma-wgmma-t16", "mma-wgmma-t8", "mma-wgmma-duo")
 INFO_IMPLS = ("mma-bf16",)
 
 
@@ -69,7 +69,8 @@ def _impls(names):
 
     forced = {"mma-bf16": _mma_bf16, "mma-tl": _mma_tl, "mma-wgmma": _mma_wgmma,
               "mma-wgmma-t16": functools.partial(_mma_wgmma, form="tokens as M, 16 x 64"),
-              "mma-wgmma-t8": functools.partial(_mma_wgmma, form="tokens as M, 8 x 128")}
+              "mma-wgmma-t8": functools.partial(_mma_wgmma, form="tokens as M, 8 x 128"),
+              "mma-wgmma-duo": functools.partial(_mma_wgmma, form="tokens as M, two consumers")}
     return {n: forced.get(n) or functools.partial(mla.sparse_decode, impl=n) for n in names}
 
 

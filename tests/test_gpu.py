@@ -34,8 +34,9 @@ def test_kernels_on_gpu(impl, name):
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_gluon_kernel_on_gpu(name, splits, variant):
-    """The sm_90 Gluon kernel's three variants, each forced on every shape (the launch rule picks
-    heads as M for h_q > 16 on grids that fill the GPU, tokens as M for h_q <= 16)."""
+    """The sm_90 Gluon kernel's four forms (mla.kernels.mma.GLUON_FORMS), each forced on every
+    shape (the launch rule picks heads as M for h_q > 16 on grids that fill the GPU, tokens as M
+    for h_q <= 16)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is for sm_90")
     from mla.kernels.mma import MMAConfig, mma_sparse_decode
