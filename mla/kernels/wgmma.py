@@ -305,6 +305,19 @@ def _consumer(q_ptr, tok, h_q, hb, q_smem, k_smem, p_smem, nope_r, rope_r, sc_r,
 
 
 @gluon.jit
+def _softmax_t(s, vs, m_i, l_i, sm_scale_log2):
+    """One online-softmax step on ``S^T [tokens, heads]`` (the tokens-as-M forms), in the exp2
+    domain: tokens where ``vs`` is false are masked out; returns P^T, the rescale factor of what
+    came before, and the new running max and sum per head."""
+    s = gl.where(vs[:, None], s * sm_scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s - m_safe[None, :])
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=0)
+
+
+@gluon.jit
 def _units_mask(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
                 idx_extra, n2, RING_N: gl.constexpr, U: gl.constexpr, HAS_EXTRA: gl.constexpr, ROW_L: gl.constexpr):
     """The valid mask of ring tiles ``ti .. ti+U-1`` as one ``[U*RING_N]`` vector (row ``r`` is
@@ -373,13 +386,7 @@ def _consumer_t(q_ptr, tok, h_q, hb, q_smem, k_smem, p_smem, nope_r, rope_r, sc_
         else:
             s_tok = warpgroup_mma(k_smem, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-        s = gl.where(vs[:, None], s * sm_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - m_safe[None, :])
-        l_i = l_i * alpha + gl.sum(p, axis=0)
-        m_i = m_new
+        p, alpha, m_i, l_i = _softmax_t(s, vs, m_i, l_i, sm_scale_log2)
         p_smem.store(gl.permute(p.to(OUT), (1, 0)))
         ot = ot * gl.convert_layout(alpha, gl.SliceLayout(0, OT_L))[None, :]
         fence_async_shared()
@@ -478,13 +485,7 @@ def _consumer_d(WHICH: gl.constexpr, q_smem, k_smem, p_smem, nope_r, rope_r, sc_
             s, a = warpgroup_mma_wait(num_outstanding=0, deps=(s, a))
         _cta_barrier()             # every thread of this warpgroup has read the stage
         mbarrier.arrive(empty.index(st))
-        s = gl.where(vs[:, None], s * sm_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - m_safe[None, :])
-        l_i = l_i * alpha + gl.sum(p, axis=0)
-        m_i = m_new
+        p, alpha, m_i, l_i = _softmax_t(s, vs, m_i, l_i, sm_scale_log2)
         p_smem.store(gl.permute(p.to(gl.float16), (1, 0)))
         ot = ot * alpha[None, :]
         fence_async_shared()
