@@ -114,8 +114,8 @@ def test_the_gluon_kernels_two_consumer_variant_builds_within_the_h200s_shared_m
     own 64 KB tile buffer): each consumer's loop issues, per tile, S^T as 8 groups x 4 wgmma of
     K = 16 (A from registers) and O^T as (512/64 rows) x 4 = 32 wgmma; both loops are in the SASS
     (one per consumer partition). Shared memory: Q 8 KB, two tile buffers, two P and two ring
-    stages, within the H200's 227 KB. Each loop spills at most 2 registers a tile (the consumers
-    run at DUO_REGS = 232 registers so that the producer keeps 40)."""
+    stages, within the H200's 227 KB. Neither loop spills at the consumers' DUO_REGS (216; at
+    232 each spilled 2 registers a tile under Triton 3.6)."""
     from mla.kernels.mma import MMAConfig
 
     (r,) = aot.report([aot.config_variant(90, MMAConfig(kernel="wgmma", tokens_as_m=True, duo=True).for_heads(8),
@@ -126,7 +126,7 @@ def test_the_gluon_kernels_two_consumer_variant_builds_within_the_h200s_shared_m
     assert len(r["loops"]) == 2, r["loops"]
     for loop in r["loops"]:
         assert loop["tensor_core"] == 32 + 32, loop
-        assert loop["spill_loads"] <= 2 and loop["spill_stores"] <= 2, loop
+        assert loop["spill_loads"] == 0 and loop["spill_stores"] == 0, loop
 
 
 def test_sass_loops_finds_backward_branches_with_tensor_core_work():
