@@ -73,9 +73,6 @@ NUM_STAGES = 2
 #: warps of each consumer (one warpgroup) and of its kernel's default partition
 DUO_STAGES = 2
 DUO_WARPS = gl.constexpr(4)
-#: the producer's copy layout for the FP8 bytes (0: 64 bytes of 8 tokens per warp instruction;
-#: 1, an experiment: one token's 512 bytes; :func:`_copy_tile`)
-COPY_ROWS = 0
 #: each consumer's registers per thread (the producer, the default partition, gets the rest: 72); at
 #: 232 (the producer keeping 40) each consumer loop spilled 2 registers a tile under Triton 3.6 and
 #: V4-TP8 b128 and b32 took 1.7 and 1.1 us longer (results/h200/mma_probe_r26a.json)
@@ -141,30 +138,21 @@ def _tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
 
 
 @gluon.jit
-def _copy_tile(stage, cache, valid, row, srow, L3: gl.constexpr, CPL: gl.constexpr = 0):
+def _copy_tile(stage, cache, valid, row, srow, L3: gl.constexpr):
     """Issue the asynchronous copies (cp.async, no registers held) of one token tile's raw bytes
     into ring stage ``stage``: the FP8 bytes as ``[BLOCK_N, 8, 64]`` (group 7 zero-filled), the
     bf16 rope ``[BLOCK_N, 1, 64]`` and the scale row ``[BLOCK_N, 8]``, with the copying threads laid
-    out as ``L3``. Invalid tokens are zero-filled. ``CPL`` 1 (an experiment): the FP8 bytes with a
-    warp's 32 threads on one token's 512 bytes per instruction instead of 64 bytes of 8 tokens."""
+    out as ``L3``: a warp instruction copies 64 bytes of each of 8 tokens (one token's 512 bytes
+    per instruction was no faster: results/h200/mma_probe_r26a.json). Invalid tokens are
+    zero-filled."""
     nope_s, rope_s, sc_s = stage
     g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
     j = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
     v2 = valid[:, None]
     v3 = v2[:, :, None]
-    if CPL:
-        LN: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 8, 4], [L3.warps_per_cta[0], 1, 1], [2, 1, 0])
-        TN: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, LN))
-        rn = gl.convert_layout(row, TN)
-        vn = gl.convert_layout(valid, TN)
-        gn = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, LN)))
-        jn = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, LN)))
-        _cp_async(nope_s, cache + rn[:, None, None] + (gn * 64)[None, :, None] + jn[None, None, :],
-                  mask=vn[:, None, None] & (gn < 7)[None, :, None])
-    else:
-        _cp_async(
-            nope_s, cache + row[:, None, None] + (g * 64)[None, :, None] + j[None, None, :],
-            mask=v3 & (g < 7)[None, :, None])
+    _cp_async(
+        nope_s, cache + row[:, None, None] + (g * 64)[None, :, None] + j[None, None, :],
+        mask=v3 & (g < 7)[None, :, None])
     _cp_async(sc_s, cache + srow[:, None] + g[None, :], mask=v2)
     _cp_async(
         rope_s, (cache + row + 448).to(gl.pointer_type(gl.bfloat16))[:, None, None] + j[None, None, :], mask=v3)
@@ -243,8 +231,7 @@ def _load_q(q_ptr, tok, h_q, hb, q_smem, BH: gl.constexpr, ABLATE: gl.constexpr)
 @gluon.jit
 def _producer(nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
               ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N: gl.constexpr, HAS_EXTRA: gl.constexpr,
-              ALIGN: gl.constexpr, ABLATE: gl.constexpr, NST: gl.constexpr, PW: gl.constexpr, U: gl.constexpr,
-              CPL: gl.constexpr = 0):
+              ALIGN: gl.constexpr, ABLATE: gl.constexpr, NST: gl.constexpr, PW: gl.constexpr, U: gl.constexpr):
     """Worker partition (the default one in the two-consumer form): copies each tile's raw bytes
     into the ring (cp.async) once the consumers have read the stage's previous tile; each copying
     thread arrives on the stage's ``ready`` barrier when its own copies have landed. Holds only
@@ -259,7 +246,7 @@ def _producer(nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_str
         j = ti - lo
         st = j % NST
         mbarrier.wait(empty.index(st), ((j // NST) & 1) ^ 1)
-        _copy_tile((nope_r.index(st), rope_r.index(st), sc_r.index(st)), cache, valid, row, srow, LP, CPL)
+        _copy_tile((nope_r.index(st), rope_r.index(st), sc_r.index(st)), cache, valid, row, srow, LP)
         async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
         cache, valid, row, srow = _tile_rows(ti + 1, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
                                              ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, RP,
@@ -539,7 +526,7 @@ def wgmma_decode_kernel(
     HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_ELEN: gl.constexpr,
     PARTIAL: gl.constexpr, BLOCK_N: gl.constexpr, ALIGN: gl.constexpr = 16, ABLATE: gl.constexpr = 0,
     BH: gl.constexpr = 64, NST: gl.constexpr = 2, U: gl.constexpr = 1, DUO: gl.constexpr = 0,
-    PREG: gl.constexpr = PRODUCER_REGS, CREG: gl.constexpr = DUO_REGS, CPL: gl.constexpr = 0,
+    PREG: gl.constexpr = PRODUCER_REGS, CREG: gl.constexpr = DUO_REGS,
 ):
     """One program per (query token, ``BH`` heads, split); see the module docstring. ``BH`` 64:
     heads as the M of the dots; 16 or 8: tokens as M (:func:`_consumer_t`), with tiles of ``U``
@@ -616,7 +603,7 @@ def wgmma_decode_kernel(
         gl.warp_specialize([
             (_producer, (nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n,
                          idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN,
-                         ABLATE, NST, PW, 1, CPL)),
+                         ABLATE, NST, PW, 1)),
             (_consumer_w, (0, x0_smem, xml_smem, q_smem, k0_smem, p0_smem, nope_r, rope_r, sc_r, ready, empty, lo, hi,
                            tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
                            idx_extra, n2, sm_scale_log2, BLOCK_N, HAS_EXTRA, ALIGN, ABLATE, NST, BH)),
@@ -649,7 +636,7 @@ def wgmma_decode_kernel(
                          n2, sm_scale_log2, BLOCK_N, HAS_EXTRA, ALIGN, ABLATE, NST, BH)),
             (_producer, (nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n,
                          idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN,
-                         ABLATE, NST, PW, 1, CPL)),
+                         ABLATE, NST, PW, 1)),
         ], [PW], [PREG])
         _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
                   num_splits, HAS_SINK, PARTIAL, BH, O_L, ABLATE)
@@ -661,7 +648,7 @@ def wgmma_decode_kernel(
                            idx_extra, n2, sm_scale_log2, BLOCK_N, HAS_EXTRA, ALIGN, ABLATE, NST, BH, U)),
             (_producer, (nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n,
                          idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN,
-                         ABLATE, NST, PW, U, CPL)),
+                         ABLATE, NST, PW, U)),
         ], [PW], [PREG])
         o = gl.convert_layout(gl.permute(ot, (1, 0)), ROWS_L)
         _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
