@@ -78,7 +78,8 @@ if __name__ == "__main__":
         case = Case(s, dev, pool_bytes=2e9, n_sets=16)
         tokens = s.b * (s.topk + s.extra_topk)
         for bt, warps, splits in itertools.product((32, 64), (4, 8), (1, 2, 4)):
-            us = bench.time_graph(case, lambda *a, _k=dict(bt=bt, warps=warps, splits=splits), **k: gather(*a, **k, **_k))
+            opts = dict(bt=bt, warps=warps, splits=splits)
+            us = bench.time_graph(case, lambda *a, _k=opts, **k: gather(*a, **k, **_k))
             rows.append({"shape": s.name, "b": s.b, "bt": bt, "warps": warps, "splits": splits, "us_graph": us,
                          "gbps": tokens * 584 / us / 1e3})
             print(f"{s.name} b{s.b} bt{bt} w{warps} s{splits}: {us:.1f} us, {tokens * 584 / us / 1e3:.0f} GB/s",

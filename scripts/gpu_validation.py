@@ -33,7 +33,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-COUNTED = ("reference", "simt", "mma", "mma-tl", "mma-wgmma", "mma-wgmma-t16", "mma-wgmma-t8", "mma-wgmma-duo")   # "reference": fp32
+# "reference": fp32
+COUNTED = ("reference", "simt", "mma", "mma-tl", "mma-wgmma", "mma-wgmma-t16", "mma-wgmma-t8", "mma-wgmma-duo")
 GLUON = ("mma-wgmma", "mma-wgmma-t16", "mma-wgmma-t8", "mma-wgmma-duo")
 INFO_IMPLS = ("mma-bf16",)
 

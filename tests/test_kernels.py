@@ -133,7 +133,8 @@ def test_the_gluon_kernel_takes_128_token_tiles_with_tokens_as_m_only(monkeypatc
     assert MMAConfig(kernel="wgmma", tokens_as_m=True, block_n=128).for_heads(4).block_h == 8
     assert MMAConfig(kernel="wgmma", tokens_as_m=True).for_heads(128).block_h == 16
     assert MMAConfig(kernel="wgmma").for_heads(8).block_h == 64
-    assert MMAConfig(kernel="wgmma", tokens_as_m=True, duo=True).for_heads(128).block_h == 8   # 16 take 235 KB
+    # two consumers: 8-head blocks for any h_q (16 heads take 235 KB of shared memory)
+    assert MMAConfig(kernel="wgmma", tokens_as_m=True, duo=True).for_heads(128).block_h == 8
 
 
 def test_the_gluon_kernel_copies_rows_as_wide_as_the_caches_alignment_allows():
@@ -172,8 +173,8 @@ def test_launch_config_picks_the_gluon_variant_by_heads_and_grid_on_a_hopper_gpu
     """The launch rule, with the GPU facts stubbed: on an sm_90 GPU (132 SMs) whose config file
     names a Gluon config, every call runs the Gluon kernel: heads as M for h_q > 16 on a grid
     that fills the GPU, tokens as M for h_q <= 16 or a small grid (at h_q <= 8, 8 heads x 128
-    tokens with b * s_q >= 66, else two consumers of 8 heads x 64 tokens). No Gluon config (another GPU) means the tl.dot kernel, with
-    split P.V on a small grid."""
+    tokens with b * s_q >= 66, else two consumers of 8 heads x 64 tokens). No Gluon config
+    (another GPU) means the tl.dot kernel, with split P.V on a small grid."""
     from mla import configs
     from mla.kernels import mma as mma_mod
 

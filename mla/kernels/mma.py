@@ -445,7 +445,9 @@ def tokens_as_m(hop: MMAConfig, b: int, s_q: int, h_q: int, sms: int) -> MMAConf
     fixed costs paid once per 128 tokens; its ring cannot run ahead of the consumers, which
     costs more than it saves at small grids); below that, 8 heads and two consumer warpgroups
     on alternate 64-token tiles (:func:`mla.kernels.wgmma._consumer_d`): V4-TP8 b = 32 in 16.3 us
-    against 17.5 with 16 heads, b = 1 in 9.5 us with either (results/h200/mma_probe_r25g.json). Measured on the H200: V4-TP8 b = 1, 32, 128 in
+    against 17.5 with 16 heads, b = 1 in 9.5 us with either (results/h200/mma_probe_r25g.json;
+    15.6 us at b = 32 once its consumers got 216 registers, mma_probe_r26a.json). Earlier, on
+    the H200: V4-TP8 b = 1, 32, 128 in
     9.8, 17.0, 35.7 us with 16 heads and 10.7, 17.6, 31.3 us with 8 x 128, against 10.0, 19.6,
     41.7 in the record r21 (results/h200/mma_probe_r22d.json); DSA b = 1 in 14.4 us and V4-CSA
     b = 1 in 10.6 us with 16 heads, against 18.4 and 12.7 for the tl.dot kernel's split P.V in
