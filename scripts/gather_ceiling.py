@@ -1,9 +1,11 @@
-"""Dev tool (GPU): the gather ceiling. A plain Triton kernel that only reads what a decode call
-reads (each selected token's 576 data bytes and 8 scale bytes, main and extra caches, the SPEC's
-inputs from :class:`mla.bench.Case`) and folds them into one integer per program, timed like the
-record (CUDA graph, median) at SHAPES over a few launch choices (tokens per tile, warps, splits
-per query). Its best time is how fast any kernel could fetch those bytes on this GPU with plain
-loads; the decode kernels' times are read against it. Writes gather_ceiling.json to $OUT."""
+"""Dev tool (GPU): a gather probe. A plain Triton kernel that only reads what a decode call reads
+(each selected token's 576 data bytes and 8 scale bytes, main and extra caches, the SPEC's inputs
+from :class:`mla.bench.Case`) and folds them into one integer per program, timed like the record
+(CUDA graph, median) at SHAPES over a few launch choices (tokens per tile, warps, splits per
+query). Writes gather_ceiling.json to $OUT. As written it is not a ceiling: each tile's index
+load and gather run in series, with no pipelining, so it is latency-bound and slower than the
+decode kernels (results/h200/gather_probe_r25e.json: 32.6 us at best at V4-TP8 b128). A ceiling
+needs many bytes in flight per SM (cp.async into a deep ring, indices loaded ahead)."""
 import itertools
 import json
 import os
