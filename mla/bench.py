@@ -9,6 +9,7 @@ of CUDA-graph times, B over A, per shape, batch and impl.
 from __future__ import annotations
 
 import datetime
+import functools
 import io
 import json
 import math
@@ -221,16 +222,26 @@ def provenance(ceil: dict) -> dict:
                              capture_output=True, text=True, timeout=30).stdout.strip()
     except Exception:  # noqa: BLE001
         drv = "unknown"
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=pathlib.Path(__file__).parent, timeout=30).stdout.strip() or "unknown"
-    except Exception:  # noqa: BLE001
-        commit = "unknown"
-    commit = os.environ.get("MLA_COMMIT", commit)
     return {"gpu": props.name, "sm_count": props.multi_processor_count, "driver": drv,
-            "torch": torch.__version__, "triton": triton.__version__, "commit": commit,
+            "torch": torch.__version__, "triton": triton.__version__, "commit": code_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
             "ceilings": ceil, "mma_configs": _config_source()}
+
+
+def code_commit(cwd=None) -> str:
+    """The commit a measurement's code is: ``$MLA_COMMIT`` if set, else the checkout's short HEAD,
+    with ``+dirty`` when tracked files differ from it (a working tree timed before it was
+    committed, or a copy whose git metadata is older than its files), else "unknown"."""
+    if os.environ.get("MLA_COMMIT"):
+        return os.environ["MLA_COMMIT"]
+    cwd = cwd or pathlib.Path(__file__).parent
+    try:
+        git = functools.partial(subprocess.run, capture_output=True, text=True, cwd=cwd, timeout=30)
+        head = git(["git", "rev-parse", "--short", "HEAD"]).stdout.strip()
+        dirty = git(["git", "status", "--porcelain", "--untracked-files=no"]).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+    return (head + ("+dirty" if dirty else "")) if head else "unknown"
 
 
 def _config_source() -> str:

@@ -195,3 +195,28 @@ def test_table_is_returned_not_printed(capsys):
     text = bench.table(data["records"][:2])
     assert capsys.readouterr().out == ""
     assert f"{data['records'][0]['us_graph']:.1f}" in text and "FlashMLA" in text
+
+
+def test_code_commit_names_the_head_and_marks_a_tree_that_differs_from_it(tmp_path, monkeypatch):
+    """Provenance's commit: $MLA_COMMIT when set; else the short HEAD, with "+dirty" when tracked
+    files differ from it (a tree timed before it was committed); "unknown" outside a checkout."""
+    import shutil
+
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+    monkeypatch.delenv("MLA_COMMIT", raising=False)
+    git = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True,  # noqa: E731
+                                    text=True).stdout.strip()
+    assert bench.code_commit(tmp_path) == "unknown"
+    git("init", "-q")
+    (tmp_path / "k.py").write_text("x = 1\n")
+    git("add", "k.py")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "k")
+    head = git("rev-parse", "--short", "HEAD")
+    assert bench.code_commit(tmp_path) == head
+    (tmp_path / "new.txt").write_text("untracked files do not count\n")
+    assert bench.code_commit(tmp_path) == head
+    (tmp_path / "k.py").write_text("x = 2\n")
+    assert bench.code_commit(tmp_path) == head + "+dirty"
+    monkeypatch.setenv("MLA_COMMIT", "abc1234")
+    assert bench.code_commit(tmp_path) == "abc1234"
