@@ -202,16 +202,15 @@ def wgmma_variant(arch: int = 90, block_n=64, has_extra=True, partial=True, part
     contiguous cache's are at an odd page size). ``block_h`` 64: heads as M; 16 or 8: tokens as
     M, with ``block_n`` 64 or 128 (two of the ring's 64-token tiles), or with ``duo`` (8 heads)
     two consumer warpgroups. Warps, ring stages and register splits are the launch's."""
-    from .kernels import wgmma
+    from .kernels.wgmma import launch_options
 
-    return {"kernel": "wgmma_decode_kernel", "arch": arch,
-            "num_warps": wgmma.DUO_WARPS.value if duo else wgmma.NUM_WARPS, "num_stages": 1,
+    opts = launch_options(duo)
+    return {"kernel": "wgmma_decode_kernel", "arch": arch, "num_warps": opts.pop("num_warps"), "num_stages": 1,
             "maxnreg": maxnreg, "loops": loops, "asm": list(asm),
             "types": {"po_ptr": "*fp16"} if partial_fp16 else {},
             "constexprs": {"HAS_SINK": True, "HAS_LEN": True, "HAS_EXTRA": has_extra, "HAS_ELEN": has_extra,
                            "PARTIAL": partial, "BLOCK_N": 64, "ALIGN": align, "BH": block_h,
-                           "NST": wgmma.DUO_STAGES if duo else wgmma.NUM_STAGES, "U": block_n // 64,
-                           "DUO": int(duo), "PREG": wgmma.PRODUCER_REGS, "CREG": wgmma.DUO_REGS}}
+                           "U": block_n // 64, **opts}}
 
 
 def config_variant(arch: int, cfg, asm: tuple = (), loops: bool = False, has_extra: bool = True) -> dict:

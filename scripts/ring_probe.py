@@ -20,30 +20,30 @@ from mla.kernels import mma, wgmma  # noqa: E402
 from mla.kernels.mma import MMAConfig, mma_sparse_decode  # noqa: E402
 
 variants = json.loads(os.environ["VARIANTS"])
-nst = {name: kw.pop("nst", None) for name, kw in variants.items()}
 mods = {name: kw.pop("wgmma", {}) for name, kw in variants.items()}   # optional: mla.kernels.wgmma constants
+for name, kw in variants.items():    # "nst" is short for the ring stages of every form
+    if kw.get("nst"):
+        mods[name] = {"NUM_STAGES": kw["nst"], "DUO_STAGES": kw["nst"], **mods[name]}
+    kw.pop("nst", None)
+nst = {name: kw.get("NUM_STAGES") for name, kw in mods.items()}          # recorded with each timing
 only = {name: kw.pop("shapes", None) for name, kw in variants.items()}   # optional: the SHAPES a variant runs at
 comb = {name: kw.pop("combine", None) for name, kw in variants.items()}   # optional: mla.kernels.mma.COMBINE
 nsp = {name: kw.pop("splits", None) for name, kw in variants.items()}    # optional: a fixed split count
 
 
 def run(name, *a, **k):
-    """One call of variant ``name``, with its ring stages, combine launch and split count (if set) in
-    force."""
+    """One call of variant ``name``, with its module constants (ring stages and the like),
+    combine launch and split count (if set) in force."""
     cfg = MMAConfig(**variants[name])
-    saved, saved_d, saved_c = wgmma.NUM_STAGES, wgmma.DUO_STAGES, dict(mma.COMBINE)
-    saved_m = {k: getattr(wgmma, k) for k in mods[name]}
+    saved_m, saved_c = {key: getattr(wgmma, key) for key in mods[name]}, dict(mma.COMBINE)
     for key, val in mods[name].items():
         setattr(wgmma, key, val)
-    wgmma.NUM_STAGES = nst[name] or saved
-    wgmma.DUO_STAGES = nst[name] or saved_d
     mma.COMBINE.update(comb[name] or {})
     try:
         if nsp[name] is not None and "splits" not in k:
             k["splits"] = nsp[name]
         return mma_sparse_decode(*a, **k, config=cfg)
     finally:
-        wgmma.NUM_STAGES, wgmma.DUO_STAGES = saved, saved_d
         for key, val in saved_m.items():
             setattr(wgmma, key, val)
         mma.COMBINE.update(saved_c)

@@ -541,10 +541,7 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
 
         flags["BLOCK_N"] = 64       # the ring's tiles; a 128-token tile is two of them (U = 2)
         wgmma.wgmma_decode_kernel[(n_hb, ns, b * s_q)](
-            *args, **flags, ALIGN=align, BH=cfg.block_h, U=cfg.block_n // 64, DUO=int(cfg.duo),
-            PREG=wgmma.PRODUCER_REGS, CREG=wgmma.DUO_REGS,
-            NST=wgmma.DUO_STAGES if cfg.duo else wgmma.NUM_STAGES,
-            num_warps=wgmma.DUO_WARPS.value if cfg.duo else wgmma.NUM_WARPS)
+            *args, **flags, ALIGN=align, BH=cfg.block_h, U=cfg.block_n // 64, **wgmma.launch_options(cfg.duo))
     else:
         mma_decode_kernel[(n_hb * cfg.dv_halves, ns, b * s_q)](
             *args, **flags, BLOCK_H=cfg.block_h,

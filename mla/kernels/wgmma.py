@@ -95,6 +95,15 @@ GL = gl.constexpr(gl.DistributedLinearLayout(
     warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 1, 64]))
 
 
+def launch_options(duo: bool = False) -> dict:
+    """The launch's warps and the kernel's constexprs that follow from the form (``duo``: the
+    two-consumer form): ring stages and register splits, read from this module's constants at
+    the call (so a probe may change them). The launch (:func:`mla.kernels.mma.mma_sparse_decode`)
+    and the ahead-of-time variants (:func:`mla.aot.wgmma_variant`) both take them from here."""
+    return {"num_warps": DUO_WARPS.value if duo else NUM_WARPS, "NST": DUO_STAGES if duo else NUM_STAGES,
+            "DUO": int(duo), "PREG": PRODUCER_REGS, "CREG": DUO_REGS}
+
+
 def row_align(*caches) -> int:
     """The ``ALIGN`` the kernel takes for these ``(uint8 view, page stride)`` caches, whose base
     addresses must be multiples of 16 (a fresh allocation's are): 16 when every page stride is
