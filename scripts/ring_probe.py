@@ -4,7 +4,7 @@ the default; splits 1 and 3), then timed (CUDA graph, median) at SPEC shapes (SH
 variant's "nst" key, if any, sets the Gluon kernel's ring stages (mla.kernels.wgmma.NUM_STAGES)
 while that variant runs; its "combine" key, if any, updates mla.kernels.mma.COMBINE (the combine
 kernel's launch) likewise; its "splits" key, if any, fixes the split count of its timed calls; its
-"shapes" key, if any, lists the SHAPES entries it is timed at; its "wgmma" key, if any, sets constants of
+"shapes" key, if any, lists the SHAPES entries it is timed at (ROUNDS times each, alternating, default once); its "wgmma" key, if any, sets constants of
 mla.kernels.wgmma (e.g. {"PRODUCER_REGS": 56}) while it runs."""
 import json
 import os
@@ -78,7 +78,7 @@ for spec in filter(None, os.environ.get("SHAPES", "DSA:32,DSA:128,V4-CSA:128").s
     s = shapes[spec]
     nm, b = s.name, s.b
     case = Case(s, dm.dev, pool_bytes=2e9, n_sets=16)
-    for name, kw in variants.items():
+    for rnd, (name, kw) in [(r, v) for r in range(int(os.environ.get("ROUNDS", "1"))) for v in variants.items()]:
         if only[name] is not None and spec not in only[name]:
             continue
         try:
@@ -89,7 +89,7 @@ for spec in filter(None, os.environ.get("SHAPES", "DSA:32,DSA:128,V4-CSA:128").s
         fm = bench.FLASHMLA_H200_US.get((s.name, s.b))
         dm.say(f"{nm:7s} b{b:<4} {name:24s} {us:8.1f} us   FlashMLA {fm}")
         results["timing"].append({"shape": nm, "b": int(b), "variant": name, "config": kw, "nst": nst[name],
-                                   "us_graph": us})
+                                   "round": rnd, "us_graph": us})
     del case
     torch.cuda.empty_cache()
 results["provenance"] = bench.provenance(ceil)
