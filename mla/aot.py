@@ -23,12 +23,12 @@ ARCHS = tuple(SMEM_LIMIT)
 # Argument types of the decode kernel, by name (pointer element types and scalars).
 _MMA_TYPES = {
     "q_ptr": "*bf16", "out_ptr": "*bf16", "lse_ptr": "*fp32", "sink_ptr": "*fp32", "po_ptr": "*fp32",
-    "plse_ptr": "*fp32", "cnt_ptr": "*i32", "kc_ptr": "*u8", "kc_stride": "i32", "kc_P": "i32", "kc_n": "i32", "idx_ptr": "*i32",
+    "plse_ptr": "*fp32", "kc_ptr": "*u8", "kc_stride": "i32", "kc_P": "i32", "kc_n": "i32", "idx_ptr": "*i32",
     "topk": "i32", "len_ptr": "*i32", "ec_ptr": "*u8", "ec_stride": "i32", "ec_P": "i32", "ec_n": "i32",
     "eidx_ptr": "*i32", "etopk": "i32", "elen_ptr": "*i32", "s_q": "i32", "h_q": "i32",
     "sm_scale_log2": "fp32", "num_splits": "i32",
 }
-_ALIGNED = {"q_ptr", "out_ptr", "lse_ptr", "sink_ptr", "po_ptr", "plse_ptr", "cnt_ptr", "kc_ptr", "idx_ptr", "len_ptr",
+_ALIGNED = {"q_ptr", "out_ptr", "lse_ptr", "sink_ptr", "po_ptr", "plse_ptr", "kc_ptr", "idx_ptr", "len_ptr",
             "ec_ptr", "eidx_ptr", "elen_ptr", "kc_stride", "ec_stride"}
 
 

@@ -319,7 +319,6 @@ class MMAConfig:
     maxnreg: int = 0           # registers per thread ptxas may use (0: its own choice, up to 255)
     kernel: str = "tl"         # "tl": the portable tl.dot kernel; "wgmma": the Gluon sm_90 kernel (mla.kernels.wgmma)
     duo: bool = False          # wgmma, tokens as M: two consumer warpgroups on alternate 64-token tiles (8 heads)
-    fold: bool = False         # wgmma, split: the last split of each head block merges the partials (no combine kernel)
 
     @property
     def label(self) -> str:
@@ -470,24 +469,6 @@ def gluon_hopper_available() -> bool:
     return True
 
 
-#: per (device, stream): the fold's counters (kept, never freed: a CUDA graph may hold any of them)
-_FOLD_COUNTERS: dict = {}
-
-
-def fold_counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least ``n`` int32 counters, all 0, for the folded combine (:func:`mla.kernels.wgmma._fold`):
-    each call's last split program sets its counter back to 0, so a buffer is zeroed once, when it
-    is made, and serves every later call on this stream, CUDA-graph replays included (one made
-    during a capture is zeroed by the graph too). One buffer per stream, so that calls running
-    at the same time on two streams never share a counter."""
-    key = (device.index if device.index is not None else torch.cuda.current_device(),
-           torch.cuda.current_stream(device).cuda_stream)
-    bufs = _FOLD_COUNTERS.setdefault(key, [])
-    if not bufs or bufs[-1].numel() < n:
-        bufs.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-    return bufs[-1]
-
-
 def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, topk_length=None,
                       extra_k_cache=None, extra_indices=None, extra_topk_length=None,
                       config: MMAConfig | None = None, splits: int | None = None):
@@ -555,15 +536,12 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
     flags = dict(HAS_SINK=attn_sink is not None, HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra,
                  HAS_ELEN=extra_topk_length is not None, PARTIAL=ns > 1, BLOCK_N=cfg.block_n, ABLATE=cfg.ablate,
                  **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
-    fold = False
     if cfg.kernel == "wgmma":
         from . import wgmma
 
         flags["BLOCK_N"] = 64       # the ring's tiles; a 128-token tile is two of them (U = 2)
-        fold = cfg.fold and 1 < ns <= wgmma.FOLD_MAX_SPLITS
-        cnt = fold_counters(dev, b * s_q * n_hb) if fold else lse
         wgmma.wgmma_decode_kernel[(n_hb, ns, b * s_q)](
-            *args[:6], cnt, *args[6:], **flags, FOLD=fold, ALIGN=align, BH=cfg.block_h, U=cfg.block_n // 64, **wgmma.launch_options(cfg.duo))
+            *args, **flags, ALIGN=align, BH=cfg.block_h, U=cfg.block_n // 64, **wgmma.launch_options(cfg.duo))
     else:
         mma_decode_kernel[(n_hb * cfg.dv_halves, ns, b * s_q)](
             *args, **flags, BLOCK_H=cfg.block_h,
@@ -573,7 +551,7 @@ def mma_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, t
             P_SPLIT=cfg.p_split and not _runtime.INTERPRET, DV_HALVES=cfg.dv_halves,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-    if ns > 1 and not cfg.ablate & 512 and not fold:
+    if ns > 1 and not cfg.ablate & 512:
         bhc = COMBINE["block_hc"]
         combine_kernel[(b * s_q, triton.cdiv(h_q, bhc))](
             po, plse, out, lse, sink, s_q, h_q, ns, HAS_SINK=attn_sink is not None, BLOCK_HC=bhc,

@@ -77,8 +77,6 @@ DUO_WARPS = gl.constexpr(4)
 #: 232 (the producer keeping 40) each consumer loop spilled 2 registers a tile under Triton 3.6 and
 #: V4-TP8 b128 and b32 took 1.7 and 1.1 us longer (results/h200/mma_probe_r26a.json)
 DUO_REGS = 216
-#: the most splits the folded combine merges (:func:`_fold_merge` holds them all in registers)
-FOLD_MAX_SPLITS = gl.constexpr(16)
 #: Q's loads and O's stores, and the tokens-as-M forms' O^T once turned around: rows of 16-byte
 #: accesses, a warp's 32 threads on a row's 512 contiguous bytes (8 warps, 8 rows at a time)
 ROWS_L = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]))
@@ -196,83 +194,9 @@ def _store_o(ptr, rows, hmask, o, ABLATE: gl.constexpr, RL: gl.constexpr = ROWS_
 
 
 @gluon.jit
-def _fence_gpu(x):
-    """``fence.acq_rel.gpu`` on every thread that holds part of ``x`` (as CUDA's __threadfence)."""
-    gl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False,
-                              pack=1)
-
-
-@gluon.jit
-def _fold(cnt_ptr, po_ptr, plse_ptr, out_ptr, lse_ptr, sink_ptr, hb, tok, b, s_idx, s_q, h_q, num_splits,
-          HAS_SINK: gl.constexpr, BH: gl.constexpr, RL: gl.constexpr):
-    """The split combine folded into the decode kernel, called once this program's partial is
-    stored: each program counts itself in on its (query token, head block)'s counter, and the
-    last of the ``num_splits`` merges all their partials (:func:`_fold_merge`) and sets the
-    counter back to 0 for the next call (the counters live across calls:
-    :func:`mla.kernels.mma.fold_counters`). Release: every thread fences its partial stores
-    before the count; acquire: the count is acq_rel, and every thread of the last program fences
-    again before it reads the others' partials."""
-    rows = gl.arange(0, BH, layout=gl.SliceLayout(1, RL))
-    _fence_gpu(rows)
-    _cta_barrier()
-    slot = cnt_ptr + tok * gl.num_programs(0) + hb
-    arrived = gl.atomic_add(slot, 1, sem="acq_rel", scope="gpu")
-    if arrived == num_splits - 1:
-        _fold_merge(po_ptr, plse_ptr, out_ptr, lse_ptr, sink_ptr, hb, tok, b, s_idx, s_q, h_q, num_splits, HAS_SINK,
-                    BH, RL)
-        gl.store(slot, 0)
-
-
-@gluon.jit(noinline=True)
-def _fold_merge(po_ptr, plse_ptr, out_ptr, lse_ptr, sink_ptr, hb, tok, b, s_idx, s_q, h_q, num_splits,
-                HAS_SINK: gl.constexpr, BH: gl.constexpr, RL: gl.constexpr):
-    """The last split's merge of :func:`_fold`, as :func:`mla.kernels.mma.combine_kernel` (sink
-    included). Not inlined: inlined, LLVM hoists its thread-index arithmetic above the
-    partitions' fork, and the registers it keeps there make the consumer loops spill. It holds
-    no barrier (its threads share nothing): in a called function Triton's barriers would wait
-    for the whole CTA, the finished worker warps too."""
-    HC: gl.constexpr = RL.warps_per_cta[0]          # heads merged at a time: one row a warp
-    rows = gl.arange(0, HC, layout=gl.SliceLayout(1, RL))
-    _fence_gpu(rows)
-    c = gl.arange(0, 512, layout=gl.SliceLayout(0, RL))
-    base = tok.to(gl.int64) * num_splits * h_q
-    for hc in gl.static_range(BH // HC):
-        heads = hb * BH + hc * HC + rows
-        hmask = heads < h_q
-        # an unrolled online merge: no load waits on an earlier split's arithmetic, so the
-        # compiler issues them together (a round trip to L2, not one a split)
-        m = gl.full([HC], float("-inf"), gl.float32, layout=gl.SliceLayout(1, RL))
-        wsum = gl.zeros([HC], gl.float32, layout=gl.SliceLayout(1, RL))
-        acc = gl.zeros([HC, 512], gl.float32, layout=RL)
-        for sp in gl.static_range(FOLD_MAX_SPLITS):
-            row = base + sp * h_q + heads
-            ok = hmask & (sp < num_splits)
-            ls = gl.load(plse_ptr + row, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            o = gl.load(po_ptr + row[:, None] * 512 + c[None, :], mask=ok[:, None], other=0.0, cache_modifier=".cg")
-            m_new = gl.maximum(m, ls)
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m - m_safe)
-            w = gl.exp2(ls - m_safe)
-            wsum = wsum * alpha + w
-            acc = acc * alpha[:, None] + w[:, None] * o.to(gl.float32)
-            m = m_new
-        empty = wsum == 0.0
-        wsafe = gl.where(empty, 1.0, wsum)
-        lse = (m_safe + gl.log2(wsafe)) * 0.6931471805599453
-        out = acc / wsafe[:, None]
-        if HAS_SINK:
-            sink = gl.load(sink_ptr + heads, mask=hmask, other=0.0)
-            out = out * (1.0 / (1.0 + gl.exp(sink - gl.where(empty, 0.0, lse))))[:, None]
-        out = gl.where(empty[:, None], 0.0, out)
-        gl.store(out_ptr + (tok.to(gl.int64) * h_q + heads)[:, None] * 512 + c[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
-        gl.store(lse_ptr + (b * h_q + heads) * s_q + s_idx, gl.where(empty, float("inf"), lse), mask=hmask)
-
-
-@gluon.jit
 def _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
               num_splits, HAS_SINK: gl.constexpr, PARTIAL: gl.constexpr, BH: gl.constexpr, O_L: gl.constexpr,
-              ABLATE: gl.constexpr = 0, RL: gl.constexpr = ROWS_L, cnt_ptr=None, FOLD: gl.constexpr = False):
+              ABLATE: gl.constexpr = 0, RL: gl.constexpr = ROWS_L):
     """Normalize O (in layout ``O_L``) and store it with its LSE: final (sink applied) or a split's
     partial. O leaves as rows of 16-byte stores, a warp's 32 threads on 512 contiguous bytes: in
     the heads-as-M wgmma's layout each thread would store 4 bytes at a time and 8 threads 16
@@ -290,9 +214,6 @@ def _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr,
         prow = (tok.to(gl.int64) * num_splits + split) * h_q + heads
         gl.store(plse_ptr + prow, gl.where(empty, float("-inf"), lse2), mask=hmask)
         _store_o(po_ptr, prow, hmask, o.to(po_ptr.dtype.element_ty), ABLATE, RL)
-        if FOLD:
-            _fold(cnt_ptr, po_ptr, plse_ptr, out_ptr, lse_ptr, sink_ptr, hb, tok, b, s_idx, s_q, h_q, num_splits,
-                  HAS_SINK, BH, RL)
     else:
         lse = lse2 * 0.6931471805599453
         if HAS_SINK:
@@ -607,14 +528,14 @@ def _consumer_w(WHICH: gl.constexpr, x_smem, xml_smem, q_smem, k_smem, p_smem, n
 
 @gluon.jit
 def wgmma_decode_kernel(
-    q_ptr, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, cnt_ptr,
+    q_ptr, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr,
     kc_ptr, kc_stride, kc_P, kc_n, idx_ptr, topk, len_ptr,
     ec_ptr, ec_stride, ec_P, ec_n, eidx_ptr, etopk, elen_ptr,
     s_q, h_q, sm_scale_log2, num_splits,
     HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_ELEN: gl.constexpr,
     PARTIAL: gl.constexpr, BLOCK_N: gl.constexpr, ALIGN: gl.constexpr = 16, ABLATE: gl.constexpr = 0,
     BH: gl.constexpr = 64, NST: gl.constexpr = 2, U: gl.constexpr = 1, DUO: gl.constexpr = 0,
-    PREG: gl.constexpr = PRODUCER_REGS, CREG: gl.constexpr = DUO_REGS, FOLD: gl.constexpr = False,
+    PREG: gl.constexpr = PRODUCER_REGS, CREG: gl.constexpr = DUO_REGS,
 ):
     """One program per (query token, ``BH`` heads, split); see the module docstring. ``BH`` 64:
     heads as the M of the dots; 16 or 8: tokens as M (:func:`_consumer_t`), with tiles of ``U``
@@ -714,7 +635,7 @@ def wgmma_decode_kernel(
         l_i = l0 * a0 + l1 * a1
         o = gl.convert_layout(gl.permute(ot0 * a0[None, :] + ot1 * a1[None, :], (1, 0)), ROWS_L4)
         _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
-                  num_splits, HAS_SINK, PARTIAL, BH, ROWS_L4, ABLATE, ROWS_L4, cnt_ptr, FOLD)
+                  num_splits, HAS_SINK, PARTIAL, BH, ROWS_L4, ABLATE, ROWS_L4)
     elif BH == 64:
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                       instr_shape=[16, 256, 16])
@@ -727,7 +648,7 @@ def wgmma_decode_kernel(
                          ABLATE, NST, PW, 1)),
         ], [PW], [PREG])
         _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
-                  num_splits, HAS_SINK, PARTIAL, BH, O_L, ABLATE, ROWS_L, cnt_ptr, FOLD)
+                  num_splits, HAS_SINK, PARTIAL, BH, O_L, ABLATE)
     else:
         # O^T back to [BH, 512], in the layout of the epilogue's row-wise stores.
         m_i, l_i, ot = gl.warp_specialize([
@@ -740,4 +661,4 @@ def wgmma_decode_kernel(
         ], [PW], [PREG])
         o = gl.convert_layout(gl.permute(ot, (1, 0)), ROWS_L)
         _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
-                  num_splits, HAS_SINK, PARTIAL, BH, ROWS_L, ABLATE, ROWS_L, cnt_ptr, FOLD)
+                  num_splits, HAS_SINK, PARTIAL, BH, ROWS_L, ABLATE)
