@@ -2,10 +2,13 @@
 (each selected token's 576 data bytes and 8 scale bytes, main and extra caches, the SPEC's inputs
 from :class:`mla.bench.Case`) and folds them into one integer per program, timed like the record
 (CUDA graph, median) at SHAPES over a few launch choices (tokens per tile, warps, splits per
-query). Writes gather_ceiling.json to $OUT. As written it is not a ceiling: each tile's index
-load and gather run in series, with no pipelining, so it is latency-bound and slower than the
-decode kernels (results/h200/gather_probe_r25e.json: 32.6 us at best at V4-TP8 b128). A ceiling
-needs many bytes in flight per SM (cp.async into a deep ring, indices loaded ahead)."""
+query: the comma lists BTS, WARPS, SPLITS). Writes gather_ceiling.json to $OUT. It is not a
+ceiling: each tile's index load and gather run in series, with no pipelining, so one program is
+latency-bound, and only many small programs per SM keep bytes in flight. With few (tiles of 32
+or 64 tokens, 1 to 4 splits) its best at V4-TP8 b128 was 32.6 us
+(results/h200/gather_probe_r25e.json); with 4-token tiles, 4 warps and 10 splits, 24.3 us, 1.97
+TB/s (results/h200/gather_probe_r27b.json), still above the 23.6 us bar
+with no decode and no math. A true ceiling would need TMA or bulk copies with a deep ring."""
 import itertools
 import json
 import os
@@ -79,7 +82,9 @@ if __name__ == "__main__":
         s = shapes[spec]
         case = Case(s, dev, pool_bytes=2e9, n_sets=16)
         tokens = s.b * (s.topk + s.extra_topk)
-        for bt, warps, splits in itertools.product((32, 64), (4, 8), (1, 2, 4)):
+        grid = [tuple(int(v) for v in os.environ.get(k, d).split(",")) for k, d in
+                (("BTS", "32,64"), ("WARPS", "4,8"), ("SPLITS", "1,2,4"))]
+        for bt, warps, splits in itertools.product(*grid):
             opts = dict(bt=bt, warps=warps, splits=splits)
             us = bench.time_graph(case, lambda *a, _k=opts, **k: gather(*a, **k, **_k))
             rows.append({"shape": s.name, "b": s.b, "bt": bt, "warps": warps, "splits": splits, "us_graph": us,
