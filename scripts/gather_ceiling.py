@@ -72,26 +72,37 @@ def gather(q, k_cache, indices, extra_k_cache=None, extra_indices=None, bt=64, w
     return out
 
 
-if __name__ == "__main__":
+def sweep(fn, axes, out_name, default_shapes="V4-TP8:128,V4-TP8:32"):
+    """Time ``fn`` (a gather taking the decode's arguments plus launch options) like the record
+    (CUDA graph, median) at SHAPES, over the product of ``axes``, a list of (option, environment
+    variable holding a comma list, its default); print a line per choice and write the rows to
+    $OUT/``out_name``."""
     out_dir = pathlib.Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
     shapes = {f"{s.name}:{s.b}": s for s in bench.spec_shapes() if s.s_q == 1}
+    grid = [tuple(int(v) for v in os.environ.get(env, default).split(",")) for _, env, default in axes]
     rows = []
-    for spec in os.environ.get("SHAPES", "V4-TP8:128,V4-TP8:32").split(","):
+    for spec in os.environ.get("SHAPES", default_shapes).split(","):
         s = shapes[spec]
         case = Case(s, dev, pool_bytes=2e9, n_sets=16)
         tokens = s.b * (s.topk + s.extra_topk)
-        grid = [tuple(int(v) for v in os.environ.get(k, d).split(",")) for k, d in
-                (("BTS", "32,64"), ("WARPS", "4,8"), ("SPLITS", "1,2,4"))]
-        for bt, warps, splits in itertools.product(*grid):
-            opts = dict(bt=bt, warps=warps, splits=splits)
-            us = bench.time_graph(case, lambda *a, _k=opts, **k: gather(*a, **k, **_k))
-            rows.append({"shape": s.name, "b": s.b, "bt": bt, "warps": warps, "splits": splits, "us_graph": us,
-                         "gbps": tokens * 584 / us / 1e3})
-            print(f"{s.name} b{s.b} bt{bt} w{warps} s{splits}: {us:.1f} us, {tokens * 584 / us / 1e3:.0f} GB/s",
-                  flush=True)
+        for vals in itertools.product(*grid):
+            opts = dict(zip([a[0] for a in axes], vals))
+            name = f"{s.name} b{s.b} " + " ".join(f"{k} {v}" for k, v in opts.items())
+            try:
+                us = bench.time_graph(case, lambda *a, _k=opts, **k: fn(*a, **k, **_k))
+            except Exception as e:  # noqa: BLE001
+                print(f"{name}: ERROR {type(e).__name__}: {str(e)[:400]}", flush=True)
+                continue
+            rows.append({"shape": s.name, "b": s.b, **opts, "us_graph": us, "gbps": tokens * 584 / us / 1e3})
+            print(f"{name}: {us:.1f} us, {tokens * 584 / us / 1e3:.0f} GB/s", flush=True)
         del case
         torch.cuda.empty_cache()
     res = {"rows": rows, "provenance": bench.provenance(bench.ceilings(dev))}
-    (out_dir / "gather_ceiling.json").write_text(json.dumps(res, indent=1))
+    (out_dir / out_name).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    sweep(gather, [("bt", "BTS", "32,64"), ("warps", "WARPS", "4,8"), ("splits", "SPLITS", "1,2,4")],
+          "gather_ceiling.json")

@@ -78,7 +78,8 @@ for spec in filter(None, os.environ.get("SHAPES", "DSA:32,DSA:128,V4-CSA:128").s
     s = shapes[spec]
     nm, b = s.name, s.b
     case = Case(s, dm.dev, pool_bytes=2e9, n_sets=16)
-    for rnd, (name, kw) in [(r, v) for r in range(int(os.environ.get("ROUNDS", "1"))) for v in variants.items()]:
+    rounds = int(os.environ.get("ROUNDS", "1"))
+    for rnd, (name, kw) in [(r, v) for r in range(rounds) for v in variants.items()]:
         if only[name] is not None and spec not in only[name]:
             continue
         try:

@@ -10,11 +10,6 @@ tma_gather.json to $OUT. As written it is issue-bound, 5 to 28x slower than plai
 V4-TP8 b128 and no faster with more groups in flight (results/h200/tma_gather_probe_r27c.json):
 one thread issues every copy, each index comes out of a cross-lane reduction, and the
 descriptors are not prefetched."""
-import itertools
-import json
-import os
-import pathlib
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -119,31 +114,7 @@ def gather(q, k_cache, indices, extra_k_cache=None, extra_indices=None, g=16, ns
 
 
 if __name__ == "__main__":
-    from mla import bench
-    from mla.bench import Case
+    from gather_ceiling import sweep
 
-    out_dir = pathlib.Path(os.environ.get("OUT", "out"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    dev = torch.device("cuda")
-    shapes = {f"{s.name}:{s.b}": s for s in bench.spec_shapes() if s.s_q == 1}
-    rows = []
-    grid = [tuple(int(v) for v in os.environ.get(k, d).split(",")) for k, d in
-            (("GS", "8,16"), ("NSTS", "2,4"), ("WARPS", "1,4"), ("SPLITS", "1,2,5"))]
-    for spec in os.environ.get("SHAPES", "V4-TP8:128").split(","):
-        s = shapes[spec]
-        case = Case(s, dev, pool_bytes=2e9, n_sets=16)
-        tokens = s.b * (s.topk + s.extra_topk)
-        for g, nst, warps, splits in itertools.product(*grid):
-            opts = dict(g=g, nst=nst, warps=warps, splits=splits)
-            try:
-                us = bench.time_graph(case, lambda *a, _k=opts, **k: gather(*a, **k, **_k))
-            except Exception as e:  # noqa: BLE001
-                print(f"{s.name} b{s.b} {opts}: ERROR {type(e).__name__}: {str(e)[:400]}", flush=True)
-                continue
-            rows.append({"shape": s.name, "b": s.b, **opts, "us_graph": us, "gbps": tokens * 584 / us / 1e3})
-            print(f"{s.name} b{s.b} g{g} nst{nst} w{warps} s{splits}: {us:.1f} us, {tokens * 584 / us / 1e3:.0f} GB/s",
-                  flush=True)
-        del case
-        torch.cuda.empty_cache()
-    res = {"rows": rows, "provenance": bench.provenance(bench.ceilings(dev))}
-    (out_dir / "tma_gather.json").write_text(json.dumps(res, indent=1))
+    sweep(gather, [("g", "GS", "8,16"), ("nst", "NSTS", "2,4"), ("warps", "WARPS", "1,4"),
+                   ("splits", "SPLITS", "1,2,5")], "tma_gather.json", default_shapes="V4-TP8:128")
