@@ -34,13 +34,20 @@ def _rows(pos, lo_ok, idx_row, n_idx, P, stride):
 
 
 @triton.jit
+def token_range(sp, splits, total, BT: tl.constexpr):
+    """The tokens ``[lo, hi)`` of a query's list (main cache, then extra) that program ``sp`` of
+    ``splits`` copies, in whole tiles of ``BT``. Scalar code, shared with scripts/tma_gather.py's
+    Gluon kernel."""
+    per = ((total + BT - 1) // BT + splits - 1) // splits * BT
+    lo = sp * per
+    return lo, tl.minimum(lo + per, total)
+
+
+@triton.jit
 def gather_kernel(out_ptr, kc, kst, kP, idx, topk, ec, est, eP, eidx, etopk, splits, BT: tl.constexpr):
     b = tl.program_id(0)
     sp = tl.program_id(1)
-    total = topk + etopk
-    per = tl.cdiv(tl.cdiv(total, BT), splits) * BT
-    lo = sp * per
-    hi = tl.minimum(lo + per, total)
+    lo, hi = token_range(sp, splits, topk + etopk, BT)
     acc = tl.zeros([BT], tl.int32)
     c = tl.arange(0, 128)
     c2 = tl.arange(0, 16)

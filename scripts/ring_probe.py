@@ -1,12 +1,12 @@
 """Dev tool (GPU): variants of the Gluon kernel against the reference on small cases (CHECK=1,
-the default; splits 1 and 3), then timed (CUDA graph, median) at SPEC shapes (SHAPES, e.g.
-"DSA:32,V4-CSA:128"; empty for checks only), ROUNDS times each, alternating between the
-variants (default once). VARIANTS: JSON {name: MMAConfig kwargs}; a variant's "nst" key, if
-any, sets the Gluon kernel's ring stages (mla.kernels.wgmma.NUM_STAGES) while that variant
-runs; its "combine" key, if any, updates mla.kernels.mma.COMBINE (the combine kernel's launch)
-likewise; its "splits" key, if any, fixes the split count of its timed calls; its "shapes" key,
-if any, lists the SHAPES entries it is timed at; its "wgmma" key, if any, sets constants of
-mla.kernels.wgmma (e.g. {"PRODUCER_REGS": 56}) while it runs."""
+the default; at the launch's split count and at 3 splits), then timed (CUDA graph, median) at
+SPEC shapes (SHAPES, e.g. "DSA:32,V4-CSA:128"; empty for checks only), ROUNDS times each,
+alternating between the variants (default once). VARIANTS: JSON {name: MMAConfig kwargs}; a
+variant's "nst" key, if any, sets the Gluon kernel's ring stages (mla.kernels.wgmma.NUM_STAGES)
+while that variant runs; its "combine" key, if any, updates mla.kernels.mma.COMBINE (the combine
+kernel's launch) likewise; its "splits" key, if any, fixes the split count of its timed calls; its
+"shapes" key, if any, lists the SHAPES entries it is timed at; its "wgmma" key, if any, sets
+constants of mla.kernels.wgmma (e.g. {"PRODUCER_REGS": 56}) while it runs."""
 import json
 import os
 import sys

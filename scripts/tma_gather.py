@@ -16,6 +16,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from gather_ceiling import sweep, token_range
+
 _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 
 
@@ -45,10 +47,7 @@ def tma_gather_kernel(out_ptr, kdesc, ktdesc, ksdesc, edesc, etdesc, esdesc, idx
     L: gl.constexpr = gl.BlockedLayout([G], [32], [gl.num_warps()], [0])
     b = gl.program_id(0)
     sp = gl.program_id(1)
-    total = topk + etopk
-    per = gl.cdiv(gl.cdiv(total, G), splits) * G
-    lo = sp * per
-    hi = gl.minimum(lo + per, total)
+    lo, hi = token_range(sp, splits, topk + etopk, G)
     n = gl.cdiv(gl.maximum(hi - lo, 0), G)
     R2: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=64, rank=2)
     buf = gl.allocate_shared_memory(gl.int64, [NST, G, 64], R2)
@@ -114,7 +113,5 @@ def gather(q, k_cache, indices, extra_k_cache=None, extra_indices=None, g=16, ns
 
 
 if __name__ == "__main__":
-    from gather_ceiling import sweep
-
     sweep(gather, [("g", "GS", "8,16"), ("nst", "NSTS", "2,4"), ("warps", "WARPS", "1,4"),
                    ("splits", "SPLITS", "1,2,5")], "tma_gather.json", default_shapes="V4-TP8:128")

@@ -290,8 +290,9 @@ def combine_kernel(po_ptr, plse_ptr, out_ptr, lse_ptr, sink_ptr, s_q, h_q, num_s
 #: the combine kernel's launch: heads per program and warps
 COMBINE = {"block_hc": 1, "num_warps": 4}
 
-#: the Gluon sm_90 kernel's three forms, as MMAConfig fields, for forcing one (GPU tests, the
-#: GPU validation): heads as M; tokens as M with 16 heads x 64 tokens, or 8 heads x 128 tokens
+#: the Gluon sm_90 kernel's four forms, as MMAConfig fields, for forcing one (GPU tests, the
+#: GPU validation): heads as M; tokens as M with 16 heads x 64 tokens, 8 heads x 128 tokens, or
+#: 8 heads and two consumer warpgroups
 GLUON_FORMS = {"heads as M": dict(kernel="wgmma"),
                "tokens as M, 16 x 64": dict(kernel="wgmma", tokens_as_m=True),
                "tokens as M, 8 x 128": dict(kernel="wgmma", tokens_as_m=True, block_n=128),
