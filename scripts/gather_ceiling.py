@@ -79,6 +79,22 @@ def gather(q, k_cache, indices, extra_k_cache=None, extra_indices=None, bt=64, w
     return out
 
 
+def _runs(case):
+    """The case's index sets (main, extra) with every query's token list made one run of
+    consecutive tokens from a random start: as many bytes as the random lists, read as a
+    stream, to set the gather's cost beside a streaming read of the same amount (ORDER "runs"
+    in :func:`sweep`)."""
+    def runs(idx, n):
+        start = torch.randint(0, n - idx.shape[-1], idx.shape[:-1] + (1,), device=idx.device, dtype=torch.int32)
+        return start + torch.arange(idx.shape[-1], device=idx.device, dtype=torch.int32)
+    n = case.cache.shape[0] * case.cache.shape[1]
+    main = [runs(i, n) for i in case.index_sets]
+    if case.extra is None:
+        return main, case.extra_sets
+    n = case.extra.shape[0] * case.extra.shape[1]
+    return main, [runs(i, n) for i in case.extra_sets]
+
+
 def sweep(fn, axes, out_name, default_shapes="V4-TP8:128,V4-TP8:32"):
     """Time ``fn`` (a gather taking the decode's arguments plus launch options) like the record
     (CUDA graph, median) at SHAPES, over the product of ``axes``, a list of (option, environment
@@ -94,15 +110,19 @@ def sweep(fn, axes, out_name, default_shapes="V4-TP8:128,V4-TP8:32"):
         s = shapes[spec]
         case = Case(s, dev, pool_bytes=2e9, n_sets=16)
         tokens = s.b * (s.topk + s.extra_topk)
-        for vals in itertools.product(*grid):
+        random_sets = case.index_sets, case.extra_sets
+        for order, vals in itertools.product(os.environ.get("ORDER", "random").split(","), itertools.product(*grid)):
+            case.index_sets, case.extra_sets = _runs(case) if order == "runs" else random_sets
             opts = dict(zip([a[0] for a in axes], vals))
-            name = f"{s.name} b{s.b} " + " ".join(f"{k} {v}" for k, v in opts.items())
+            tag = {} if order == "random" else {"order": order}
+            name = f"{s.name} b{s.b} " + " ".join(f"{k} {v}" for k, v in {**opts, **tag}.items())
             try:
                 us = bench.time_graph(case, lambda *a, _k=opts, **k: fn(*a, **k, **_k))
             except Exception as e:  # noqa: BLE001
                 print(f"{name}: ERROR {type(e).__name__}: {str(e)[:400]}", flush=True)
                 continue
-            rows.append({"shape": s.name, "b": s.b, **opts, "us_graph": us, "gbps": tokens * 584 / us / 1e3})
+            rows.append({"shape": s.name, "b": s.b, **opts, **tag, "us_graph": us,
+                         "gbps": tokens * 584 / us / 1e3})
             print(f"{name}: {us:.1f} us, {tokens * 584 / us / 1e3:.0f} GB/s", flush=True)
         del case
         torch.cuda.empty_cache()
@@ -110,6 +130,31 @@ def sweep(fn, axes, out_name, default_shapes="V4-TP8:128,V4-TP8:32"):
     (out_dir / out_name).write_text(json.dumps(res, indent=1))
 
 
-if __name__ == "__main__":
+@triton.jit
+def _noop_kernel(out_ptr):
+    tl.store(out_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), 1)
+
+
+def noop(q, k_cache, indices, kernels=1, splits=1, **_):
+    """``kernels`` launches, one after the other, of a kernel whose programs (one per query token
+    and split, as a decode's) each store one integer: what a call of that many kernels costs
+    in a CUDA graph before it reads anything (KIND=noop)."""
+    out = torch.empty(indices.shape[0] * indices.shape[1] * splits, dtype=torch.int32, device=q.device)
+    for _ in range(kernels):
+        _noop_kernel[(indices.shape[0] * indices.shape[1], splits)](out, num_warps=4)
+    return out
+
+
+def decode(*args, impl="mma", **kw):
+    """The decode itself (KIND=decode), to time under ORDER's index orders beside the gathers."""
+    import mla
+    return mla.sparse_decode(*args, **kw, impl=impl)
+
+
+if __name__ == "__main__" and os.environ.get("KIND") == "noop":
+    sweep(noop, [("kernels", "KERNELS", "1,2"), ("splits", "SPLITS", "1,10")], "launch_floor.json")
+elif __name__ == "__main__" and os.environ.get("KIND") == "decode":
+    sweep(decode, [], "decode_order.json")
+elif __name__ == "__main__":
     sweep(gather, [("bt", "BTS", "32,64"), ("warps", "WARPS", "4,8"), ("splits", "SPLITS", "1,2,4")],
           "gather_ceiling.json")
