@@ -1,0 +1,29 @@
+"""Dev tool (GPU): run one call, of the decode or of a gather probe, a few times on the record's
+inputs, for a profiler (Nsight Compute) to catch one launch of it. SHAPE (e.g. V4-TP8:128),
+KIND (decode, or gather with gather_ceiling's options in OPTS, e.g. "bt=4,warps=4,splits=20"),
+ORDER (random or runs, as in gather_ceiling.sweep), CALLS. For example:
+``ncu --clock-control none -k regex:wgmma --launch-skip 4 --launch-count 1 --section
+SpeedOfLight python3 scripts/profile_call.py``."""
+import os
+
+import torch
+
+import gather_ceiling as G
+from mla import bench
+from mla.bench import Case
+
+
+def main():
+    shapes = {f"{s.name}:{s.b}": s for s in bench.spec_shapes() if s.s_q == 1}
+    case = Case(shapes[os.environ.get("SHAPE", "V4-TP8:128")], torch.device("cuda"), pool_bytes=2e9, n_sets=16)
+    if os.environ.get("ORDER", "random") == "runs":
+        case.index_sets, case.extra_sets = G._runs(case)
+    opts = {k: int(v) for k, v in (o.split("=") for o in os.environ.get("OPTS", "").split(",") if o)}
+    fn = G.decode if os.environ.get("KIND", "decode") == "decode" else G.gather
+    for i in range(int(os.environ.get("CALLS", "8"))):
+        case.call(lambda *a, **k: fn(*a, **k, **opts), i % len(case.index_sets))
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
