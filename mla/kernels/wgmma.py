@@ -77,6 +77,12 @@ DUO_WARPS = gl.constexpr(4)
 #: 232 (the producer keeping 40) each consumer loop spilled 2 registers a tile under Triton 3.6 and
 #: V4-TP8 b128 and b32 took 1.7 and 1.1 us longer (results/h200/mma_probe_r26a.json)
 DUO_REGS = 216
+#: the FP8 ring's byte order: 1 stores each stage group-major (the 64-byte pieces of one
+#: 64-dim group of all the stage's tokens contiguous), so that a warp's copy or read of 64 bytes
+#: of each of 8 tokens touches 512 contiguous bytes; 0 token-major (each token's 512 bytes
+#: contiguous), where those 8 pieces, 512 bytes apart, fall in the same 16 banks: twice the
+#: shared-memory wavefronts
+RING_GROUP_MAJOR = 1
 #: Q's loads and O's stores, and the tokens-as-M forms' O^T once turned around: rows of 16-byte
 #: accesses, a warp's 32 threads on a row's 512 contiguous bytes (8 warps, 8 rows at a time)
 ROWS_L = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]))
@@ -101,7 +107,7 @@ def launch_options(duo: bool = False) -> dict:
     the call (so a probe may change them). The launch (:func:`mla.kernels.mma.mma_sparse_decode`)
     and the ahead-of-time variants (:func:`mla.aot.wgmma_variant`) both take them from here."""
     return {"num_warps": DUO_WARPS.value if duo else NUM_WARPS, "NST": DUO_STAGES if duo else NUM_STAGES,
-            "DUO": int(duo), "PREG": PRODUCER_REGS, "CREG": DUO_REGS}
+            "DUO": int(duo), "PREG": PRODUCER_REGS, "CREG": DUO_REGS, "GM": RING_GROUP_MAJOR}
 
 
 def row_align(*caches) -> int:
@@ -535,7 +541,7 @@ def wgmma_decode_kernel(
     HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_ELEN: gl.constexpr,
     PARTIAL: gl.constexpr, BLOCK_N: gl.constexpr, ALIGN: gl.constexpr = 16, ABLATE: gl.constexpr = 0,
     BH: gl.constexpr = 64, NST: gl.constexpr = 2, U: gl.constexpr = 1, DUO: gl.constexpr = 0,
-    PREG: gl.constexpr = PRODUCER_REGS, CREG: gl.constexpr = DUO_REGS,
+    PREG: gl.constexpr = PRODUCER_REGS, CREG: gl.constexpr = DUO_REGS, GM: gl.constexpr = RING_GROUP_MAJOR,
 ):
     """One program per (query token, ``BH`` heads, split); see the module docstring. ``BH`` 64:
     heads as the M of the dots; 16 or 8: tokens as M (:func:`_consumer_t`), with tiles of ``U``
@@ -560,6 +566,7 @@ def wgmma_decode_kernel(
     # vec 16: 16 contiguous elements per copy; Triton 3.9 sizes its cp.async by it (with vec 1
     # it copies 8 bytes), 3.6 compiles the same SASS either way.
     R3: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 1, [2, 1, 0])
+    RN: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 1, [2, 0, 1] if GM else [2, 1, 0])   # RING_GROUP_MAJOR
     R2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
 
     hb = gl.program_id(0)
@@ -579,7 +586,7 @@ def wgmma_decode_kernel(
     idx_main = idx_ptr + tok.to(gl.int64) * topk
     idx_extra = eidx_ptr + tok.to(gl.int64) * etopk
 
-    nope_r = gl.allocate_shared_memory(gl.uint8, [NST, BLOCK_N, 8, 64], R3)
+    nope_r = gl.allocate_shared_memory(gl.uint8, [NST, BLOCK_N, 8, 64], RN)
     rope_r = gl.allocate_shared_memory(gl.bfloat16, [NST, BLOCK_N, 1, 64], R3)
     sc_r = gl.allocate_shared_memory(gl.uint8, [NST, BLOCK_N, 8], R2)
     ready = gl.allocate_shared_memory(gl.int64, [NST, 1], mbarrier.MBarrierLayout())
