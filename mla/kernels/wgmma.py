@@ -77,11 +77,15 @@ DUO_WARPS = gl.constexpr(4)
 #: 232 (the producer keeping 40) each consumer loop spilled 2 registers a tile under Triton 3.6 and
 #: V4-TP8 b128 and b32 took 1.7 and 1.1 us longer (results/h200/mma_probe_r26a.json)
 DUO_REGS = 216
-#: the FP8 ring's byte order: 1 stores each stage group-major (the 64-byte pieces of one
-#: 64-dim group of all the stage's tokens contiguous), so that a warp's copy or read of 64 bytes
-#: of each of 8 tokens touches 512 contiguous bytes; 0 token-major (each token's 512 bytes
-#: contiguous), where those 8 pieces, 512 bytes apart, fall in the same 16 banks: twice the
-#: shared-memory wavefronts
+#: the FP8 ring's byte order in the one-consumer forms: 1 stores each stage group-major (the
+#: 64-byte pieces of one 64-dim group of all the stage's tokens contiguous), so that a warp's copy
+#: or read of 64 bytes of each of 8 tokens touches 512 contiguous bytes; 0 token-major (each
+#: token's 512 bytes contiguous), where those 8 pieces, 512 bytes apart, fall in the same 16
+#: banks: twice the shared-memory wavefronts (Nsight Compute: 48% of the shared loads'
+#: wavefronts were bank conflicts at V4-TP8 b128). Group-major took DSA b128 from 118.7 to 111.1
+#: us, V4-CSA b128 from 44.2 to 41.6, V4-TP8 b128 (8 x 128) from 30.6 to 29.2; the two-consumer
+#: form, 0.1-1 us slower with it (15.8 against 15.6 us at V4-TP8 b32), keeps token-major
+#: (results/h200/mma_probe_r28d.json)
 RING_GROUP_MAJOR = 1
 #: Q's loads and O's stores, and the tokens-as-M forms' O^T once turned around: rows of 16-byte
 #: accesses, a warp's 32 threads on a row's 512 contiguous bytes (8 warps, 8 rows at a time)
@@ -107,7 +111,8 @@ def launch_options(duo: bool = False) -> dict:
     the call (so a probe may change them). The launch (:func:`mla.kernels.mma.mma_sparse_decode`)
     and the ahead-of-time variants (:func:`mla.aot.wgmma_variant`) both take them from here."""
     return {"num_warps": DUO_WARPS.value if duo else NUM_WARPS, "NST": DUO_STAGES if duo else NUM_STAGES,
-            "DUO": int(duo), "PREG": PRODUCER_REGS, "CREG": DUO_REGS, "GM": RING_GROUP_MAJOR}
+            "DUO": int(duo), "PREG": PRODUCER_REGS, "CREG": DUO_REGS,
+            "GM": 0 if duo else RING_GROUP_MAJOR}
 
 
 def row_align(*caches) -> int:
@@ -548,7 +553,8 @@ def wgmma_decode_kernel(
     ring tiles of ``BLOCK_N`` tokens; ``DUO`` (8 heads): two consumers (:func:`_consumer_d`,
     launched with :data:`DUO_WARPS` warps, the default partition's). ``NST``: ring stages
     (:data:`NUM_STAGES`, :data:`DUO_STAGES`). ``PREG``: the producer's registers when it is a
-    worker; ``CREG``: each of the two consumers'. ``ALIGN``: see :func:`_tile_rows` and
+    worker; ``CREG``: each of the two consumers'. ``GM``: the FP8 ring stored group-major
+    (:data:`RING_GROUP_MAJOR`). ``ALIGN``: see :func:`_tile_rows` and
     :func:`row_align`. ``ABLATE``: timing ablations, whose results are wrong (bits: 1 every tile
     reads the first tokens of page 0; with tokens as M, 2 no decode, 4 no S^T, 8 no P.V; 16 no Q
     load; 32 no store of O; 64 no tiles)."""
