@@ -82,10 +82,10 @@ DUO_REGS = 216
 #: or read of 64 bytes of each of 8 tokens touches 512 contiguous bytes; 0 token-major (each
 #: token's 512 bytes contiguous), where those 8 pieces, 512 bytes apart, fall in the same 16
 #: banks: twice the shared-memory wavefronts (Nsight Compute: 48% of the shared loads'
-#: wavefronts were bank conflicts at V4-TP8 b128). Group-major took DSA b128 from 118.7 to 111.1
+#: wavefronts were bank conflicts at V4-TP8 b128). Group-major took DSA b128 from 118.9 to 111.2
 #: us, V4-CSA b128 from 44.2 to 41.6, V4-TP8 b128 (8 x 128) from 30.6 to 29.2; the two-consumer
-#: form, 0.1-1 us slower with it (15.8 against 15.6 us at V4-TP8 b32), keeps token-major
-#: (results/h200/mma_probe_r28d.json)
+#: form, slower with it (15.7 against 15.6 us at V4-TP8 b32, 31.2 against 30.1 at b128), keeps
+#: token-major (results/h200/mma_probe_r28c.json)
 RING_GROUP_MAJOR = 1
 #: Q's loads and O's stores, and the tokens-as-M forms' O^T once turned around: rows of 16-byte
 #: accesses, a warp's 32 threads on a row's 512 contiguous bytes (8 warps, 8 rows at a time)
