@@ -2,13 +2,15 @@
 (each selected token's 576 data bytes and 8 scale bytes, main and extra caches, the SPEC's inputs
 from :class:`mla.bench.Case`) and folds them into one integer per program, timed like the record
 (CUDA graph, median) at SHAPES over a few launch choices (tokens per tile, warps, splits per
-query: the comma lists BTS, WARPS, SPLITS). Writes gather_ceiling.json to $OUT. It is not a
-ceiling: each tile's index load and gather run in series, with no pipelining, so one program is
-latency-bound, and only many small programs per SM keep bytes in flight. With few (tiles of 32
-or 64 tokens, 1 to 4 splits) its best at V4-TP8 b128 was 32.6 us
-(results/h200/gather_probe_r25e.json); with 4-token tiles, 4 warps and 10 splits, 24.3 us, 1.97
-TB/s (results/h200/gather_probe_r27b.json), still above the 23.6 us bar
-with no decode and no math. A true ceiling would need TMA or bulk copies with a deep ring."""
+query: the comma lists BTS, WARPS, SPLITS), and under ORDER's index orders ("random", the
+record's lists; "runs", each query's tokens made one run of consecutive tokens, the same bytes
+read as a stream). Writes gather_ceiling.json to $OUT. KIND=noop times calls of one or two empty
+kernels instead (launch_floor.json), KIND=decode the decode itself (decode_order.json).
+
+It is not a ceiling: each tile's index load and gather run in series, with no pipelining, and
+Nsight Compute finds it bound by issuing its own instructions (results/h200/ncu_r28b/). Its best
+at V4-TP8 b128, 23.4 us (4-token tiles, 4 warps, 20 splits), is the same with runs of
+consecutive tokens (results/h200/gather_probe_r28a.json), so DRAM is not what holds it back."""
 import itertools
 import json
 import os
