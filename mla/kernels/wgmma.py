@@ -87,13 +87,6 @@ DUO_REGS = 216
 #: form, slower with it (15.7 against 15.6 us at V4-TP8 b32, 31.2 against 30.1 at b128), keeps
 #: token-major (results/h200/mma_probe_r28c.json)
 RING_GROUP_MAJOR = 1
-#: the rope ring's byte order: 1 swizzles each token's 128 bytes (its 16-byte pieces XORed with
-#: the token's index mod 8) and copies 64 contiguous bytes of a token per instruction, so that
-#: neither the copies (8 tokens x 64 bytes) nor the consumers' reads (8 tokens x 4 pieces 32
-#: bytes apart) fall twice into the same banks, and no copy instruction takes half a sector; 0
-#: as before (Nsight Compute at 457b35e: the rope's copies and reads took twice their ideal
-#: shared-memory wavefronts and its copies twice their L2 sectors)
-ROPE_SWIZZLE = 1
 #: Q's loads and O's stores, and the tokens-as-M forms' O^T once turned around: rows of 16-byte
 #: accesses, a warp's 32 threads on a row's 512 contiguous bytes (8 warps, 8 rows at a time)
 ROWS_L = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]))
@@ -119,7 +112,7 @@ def launch_options(duo: bool = False) -> dict:
     and the ahead-of-time variants (:func:`mla.aot.wgmma_variant`) both take them from here."""
     return {"num_warps": DUO_WARPS.value if duo else NUM_WARPS, "NST": DUO_STAGES if duo else NUM_STAGES,
             "DUO": int(duo), "PREG": PRODUCER_REGS, "CREG": DUO_REGS,
-            "GM": 0 if duo else RING_GROUP_MAJOR, "RS": ROPE_SWIZZLE}
+            "GM": 0 if duo else RING_GROUP_MAJOR}
 
 
 def row_align(*caches) -> int:
@@ -165,13 +158,13 @@ def _tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
 
 
 @gluon.jit
-def _copy_tile(stage, cache, valid, row, srow, L3: gl.constexpr, LR: gl.constexpr):
+def _copy_tile(stage, cache, valid, row, srow, L3: gl.constexpr):
     """Issue the asynchronous copies (cp.async, no registers held) of one token tile's raw bytes
     into ring stage ``stage``: the FP8 bytes as ``[BLOCK_N, 8, 64]`` (group 7 zero-filled), the
     bf16 rope ``[BLOCK_N, 1, 64]`` and the scale row ``[BLOCK_N, 8]``, with the copying threads laid
     out as ``L3``: a warp instruction copies 64 bytes of each of 8 tokens (one token's 512 bytes
-    per instruction was no faster: results/h200/mma_probe_r26a.json); the rope as ``LR``. Invalid
-    tokens are zero-filled."""
+    per instruction was no faster: results/h200/mma_probe_r26a.json). Invalid tokens are
+    zero-filled."""
     nope_s, rope_s, sc_s = stage
     g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
     j = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
@@ -181,11 +174,8 @@ def _copy_tile(stage, cache, valid, row, srow, L3: gl.constexpr, LR: gl.constexp
         nope_s, cache + row[:, None, None] + (g * 64)[None, :, None] + j[None, None, :],
         mask=v3 & (g < 7)[None, :, None])
     _cp_async(sc_s, cache + srow[:, None] + g[None, :], mask=v2)
-    rrow = gl.convert_layout(row, gl.SliceLayout(1, gl.SliceLayout(2, LR)))
-    rv = gl.convert_layout(valid, gl.SliceLayout(1, gl.SliceLayout(2, LR)))[:, None, None]
-    jr = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, LR)))
     _cp_async(
-        rope_s, (cache + rrow + 448).to(gl.pointer_type(gl.bfloat16))[:, None, None] + jr[None, None, :], mask=rv)
+        rope_s, (cache + row + 448).to(gl.pointer_type(gl.bfloat16))[:, None, None] + j[None, None, :], mask=v3)
 
 
 @gluon.jit
@@ -261,8 +251,7 @@ def _load_q(q_ptr, tok, h_q, hb, q_smem, BH: gl.constexpr, ABLATE: gl.constexpr)
 @gluon.jit
 def _producer(nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
               ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N: gl.constexpr, HAS_EXTRA: gl.constexpr,
-              ALIGN: gl.constexpr, ABLATE: gl.constexpr, NST: gl.constexpr, PW: gl.constexpr, U: gl.constexpr,
-              RS: gl.constexpr):
+              ALIGN: gl.constexpr, ABLATE: gl.constexpr, NST: gl.constexpr, PW: gl.constexpr, U: gl.constexpr):
     """Worker partition (the default one in the two-consumer form): copies each tile's raw bytes
     into the ring (cp.async) once the consumers have read the stage's previous tile; each copying
     thread arrives on the stage's ``ready`` barrier when its own copies have landed. Holds only
@@ -271,19 +260,13 @@ def _producer(nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_str
     it copies a multiple of ``U`` (tiles at or past ``hi`` all invalid: zero-filled)."""
     LP: gl.constexpr = gl.BlockedLayout([1, 8, 16], [8, 1, 4], [PW, 1, 1], [2, 1, 0])
     RP: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, LP))
-    # the rope's copy (ROPE_SWIZZLE): 16 bytes a thread, 4 threads on 64 contiguous bytes of a token,
-    # twice; the tokens on the threads as in LP, so that converting the rows to it moves nothing
-    if RS:
-        LR: gl.constexpr = gl.BlockedLayout([1, 1, 8], [8, 1, 4], [PW, 1, 1], [2, 1, 0])
-    else:
-        LR: gl.constexpr = LP
     cache, valid, row, srow = _tile_rows(lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
                                          ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, RP, ALIGN, ABLATE)
     for ti in range(lo, lo + (hi - lo + U - 1) // U * U):
         j = ti - lo
         st = j % NST
         mbarrier.wait(empty.index(st), ((j // NST) & 1) ^ 1)
-        _copy_tile((nope_r.index(st), rope_r.index(st), sc_r.index(st)), cache, valid, row, srow, LP, LR)
+        _copy_tile((nope_r.index(st), rope_r.index(st), sc_r.index(st)), cache, valid, row, srow, LP)
         async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
         cache, valid, row, srow = _tile_rows(ti + 1, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
                                              ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, RP,
@@ -564,7 +547,6 @@ def wgmma_decode_kernel(
     PARTIAL: gl.constexpr, BLOCK_N: gl.constexpr, ALIGN: gl.constexpr = 16, ABLATE: gl.constexpr = 0,
     BH: gl.constexpr = 64, NST: gl.constexpr = 2, U: gl.constexpr = 1, DUO: gl.constexpr = 0,
     PREG: gl.constexpr = PRODUCER_REGS, CREG: gl.constexpr = DUO_REGS, GM: gl.constexpr = RING_GROUP_MAJOR,
-    RS: gl.constexpr = ROPE_SWIZZLE,
 ):
     """One program per (query token, ``BH`` heads, split); see the module docstring. ``BH`` 64:
     heads as the M of the dots; 16 or 8: tokens as M (:func:`_consumer_t`), with tiles of ``U``
@@ -572,7 +554,7 @@ def wgmma_decode_kernel(
     launched with :data:`DUO_WARPS` warps, the default partition's). ``NST``: ring stages
     (:data:`NUM_STAGES`, :data:`DUO_STAGES`). ``PREG``: the producer's registers when it is a
     worker; ``CREG``: each of the two consumers'. ``GM``: the FP8 ring stored group-major
-    (:data:`RING_GROUP_MAJOR`); ``RS``: the rope ring swizzled (:data:`ROPE_SWIZZLE`). ``ALIGN``: see :func:`_tile_rows` and
+    (:data:`RING_GROUP_MAJOR`). ``ALIGN``: see :func:`_tile_rows` and
     :func:`row_align`. ``ABLATE``: timing ablations, whose results are wrong (bits: 1 every tile
     reads the first tokens of page 0; with tokens as M, 2 no decode, 4 no S^T, 8 no P.V; 16 no Q
     load; 32 no store of O; 64 no tiles)."""
@@ -591,8 +573,6 @@ def wgmma_decode_kernel(
     # it copies 8 bytes), 3.6 compiles the same SASS either way.
     R3: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 1, [2, 1, 0])
     RN: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 1, [2, 0, 1] if GM else [2, 1, 0])   # RING_GROUP_MAJOR
-    # ROPE_SWIZZLE: [BLOCK_N, 1, 64] with the token as the swizzle's row: 16-byte pieces XOR token % 8
-    RR: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [2, 0, 1]) if RS else R3
     R2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
 
     hb = gl.program_id(0)
@@ -613,7 +593,7 @@ def wgmma_decode_kernel(
     idx_extra = eidx_ptr + tok.to(gl.int64) * etopk
 
     nope_r = gl.allocate_shared_memory(gl.uint8, [NST, BLOCK_N, 8, 64], RN)
-    rope_r = gl.allocate_shared_memory(gl.bfloat16, [NST, BLOCK_N, 1, 64], RR)
+    rope_r = gl.allocate_shared_memory(gl.bfloat16, [NST, BLOCK_N, 1, 64], R3)
     sc_r = gl.allocate_shared_memory(gl.uint8, [NST, BLOCK_N, 8], R2)
     ready = gl.allocate_shared_memory(gl.int64, [NST, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NST, 1], mbarrier.MBarrierLayout())
@@ -645,7 +625,7 @@ def wgmma_decode_kernel(
         gl.warp_specialize([
             (_producer, (nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n,
                          idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN,
-                         ABLATE, NST, PW, 1, RS)),
+                         ABLATE, NST, PW, 1)),
             (_consumer_w, (0, x0_smem, xml_smem, q_smem, k0_smem, p0_smem, nope_r, rope_r, sc_r, ready, empty, lo, hi,
                            tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
                            idx_extra, n2, sm_scale_log2, BLOCK_N, HAS_EXTRA, ALIGN, ABLATE, NST, BH)),
@@ -678,7 +658,7 @@ def wgmma_decode_kernel(
                          n2, sm_scale_log2, BLOCK_N, HAS_EXTRA, ALIGN, ABLATE, NST, BH)),
             (_producer, (nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n,
                          idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN,
-                         ABLATE, NST, PW, 1, RS)),
+                         ABLATE, NST, PW, 1)),
         ], [PW], [PREG])
         _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
                   num_splits, HAS_SINK, PARTIAL, BH, O_L, ABLATE)
@@ -690,7 +670,7 @@ def wgmma_decode_kernel(
                            idx_extra, n2, sm_scale_log2, BLOCK_N, HAS_EXTRA, ALIGN, ABLATE, NST, BH, U)),
             (_producer, (nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n,
                          idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN,
-                         ABLATE, NST, PW, U, RS)),
+                         ABLATE, NST, PW, U)),
         ], [PW], [PREG])
         o = gl.convert_layout(gl.permute(ot, (1, 0)), ROWS_L)
         _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
