@@ -182,3 +182,28 @@ def test_a_kernel_lowered_to_a_trap_is_reported_as_not_usable():
     (r,) = aot.report([aot.mma_variant(100, block_h=64, block_n=64, num_warps=8)])
     assert "error" not in r, r
     assert not r["usable"] and not r["fits"]
+
+
+@pytest.mark.slow
+def test_the_group_major_ring_changes_addresses_only():
+    """v25 stores the FP8 ring group-major (mla.kernels.wgmma.RING_GROUP_MAJOR), a shared-memory
+    layout order only: the heads-as-M variant compiles to the same copies and loads (16-byte
+    cp.async and 16-byte shared loads, as many of each) and about the same loop as with the
+    token-major ring (its address arithmetic differs: 712 against 714 instructions under Triton
+    3.6, 768 against 747 under 3.9). The launch ships it for the one-consumer forms and keeps token-major for
+    the two-consumer form, which was slower with it on the H200 (chapter 3)."""
+    from mla.kernels.wgmma import launch_options
+
+    assert launch_options()["GM"] == 1 and launch_options(duo=True)["GM"] == 0
+    group = aot.wgmma_variant(90, loops=True, asm=("sass",))
+    token = {**group, "constexprs": {**group["constexprs"], "GM": 0}}
+    g, t = aot.report([group, token])
+    assert "error" not in g and "error" not in t, (g, t)
+
+    def accesses(sass):
+        return {op: len(re.findall(op + r"\s", sass)) for op in (r"LDGSTS\S*\.128", r"LDS\.128", r"LDSM\S*")}
+
+    assert accesses(g["sass"]) == accesses(t["sass"]), (accesses(g["sass"]), accesses(t["sass"]))
+    assert accesses(g["sass"])[r"LDGSTS\S*\.128"] >= 16
+    (lg,), (lt,) = g["loops"], t["loops"]
+    assert lg["tensor_core"] == lt["tensor_core"] and abs(lg["instructions"] / lt["instructions"] - 1) < 0.05, (lg, lt)
