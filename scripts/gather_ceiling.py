@@ -81,7 +81,7 @@ def gather(q, k_cache, indices, extra_k_cache=None, extra_indices=None, bt=64, w
     return out
 
 
-def _runs(case):
+def stream_runs(case):
     """The case's index sets (main, extra) with every query's token list made one run of
     consecutive tokens from a random start: as many bytes as the random lists, read as a
     stream, to set the gather's cost beside a streaming read of the same amount (ORDER "runs"
@@ -114,7 +114,7 @@ def sweep(fn, axes, out_name, default_shapes="V4-TP8:128,V4-TP8:32"):
         tokens = s.b * (s.topk + s.extra_topk)
         random_sets = case.index_sets, case.extra_sets
         for order, vals in itertools.product(os.environ.get("ORDER", "random").split(","), itertools.product(*grid)):
-            case.index_sets, case.extra_sets = _runs(case) if order == "runs" else random_sets
+            case.index_sets, case.extra_sets = stream_runs(case) if order == "runs" else random_sets
             opts = dict(zip([a[0] for a in axes], vals))
             tag = {} if order == "random" else {"order": order}
             name = f"{s.name} b{s.b} " + " ".join(f"{k} {v}" for k, v in {**opts, **tag}.items())

@@ -17,7 +17,7 @@ def main():
     shapes = {f"{s.name}:{s.b}": s for s in bench.spec_shapes() if s.s_q == 1}
     case = Case(shapes[os.environ.get("SHAPE", "V4-TP8:128")], torch.device("cuda"), pool_bytes=2e9, n_sets=16)
     if os.environ.get("ORDER", "random") == "runs":
-        case.index_sets, case.extra_sets = G._runs(case)
+        case.index_sets, case.extra_sets = G.stream_runs(case)
     opts = {k: int(v) for k, v in (o.split("=") for o in os.environ.get("OPTS", "").split(",") if o)}
     fn = G.decode if os.environ.get("KIND", "decode") == "decode" else G.gather
     for i in range(int(os.environ.get("CALLS", "8"))):

@@ -7,8 +7,9 @@ compute the same S, and the gather's loads stall the warps that do the math. Her
 (a query token, 64 heads, a split) runs two partitions (``gl.warp_specialize``):
 
 - a **producer** of 4 warps that only copies: each tile's raw cache bytes (FP8 nope, bf16 rope,
-  UE8M0 scales) go with ``cp.async`` into a two-stage ring in shared memory, holding no
-  registers while they fly; its copies' completion is signalled on the stage's ``ready``
+  UE8M0 scales) go with ``cp.async`` into a two-stage ring in shared memory (the FP8 bytes
+  group-major in the one-consumer forms, :data:`RING_GROUP_MAJOR`), holding no registers
+  while they fly; its copies' completion is signalled on the stage's ``ready``
   mbarrier, and it refills a stage when the consumers release it (``empty``);
 - **consumers**, 8 warps (two warpgroups) that decode each tile from the ring into one fp16
   tile buffer ``K[BLOCK_N, 512]`` (serving as K for S = Q.K^T and as V for O += P.V), then run
