@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+import mla
 from mla import bench
 from mla.bench import Case
 from mla.kernels.common import cache_args
@@ -149,14 +150,14 @@ def noop(q, k_cache, indices, kernels=1, splits=1, **_):
 
 def decode(*args, impl="mma", **kw):
     """The decode itself (KIND=decode), to time under ORDER's index orders beside the gathers."""
-    import mla
     return mla.sparse_decode(*args, **kw, impl=impl)
 
 
-if __name__ == "__main__" and os.environ.get("KIND") == "noop":
-    sweep(noop, [("kernels", "KERNELS", "1,2"), ("splits", "SPLITS", "1,10")], "launch_floor.json")
-elif __name__ == "__main__" and os.environ.get("KIND") == "decode":
-    sweep(decode, [], "decode_order.json")
-elif __name__ == "__main__":
-    sweep(gather, [("bt", "BTS", "32,64"), ("warps", "WARPS", "4,8"), ("splits", "SPLITS", "1,2,4")],
-          "gather_ceiling.json")
+#: KIND: what :func:`sweep` times, over which launch options, into which file
+KINDS = {"gather": (gather, [("bt", "BTS", "32,64"), ("warps", "WARPS", "4,8"), ("splits", "SPLITS", "1,2,4")],
+                    "gather_ceiling.json"),
+         "noop": (noop, [("kernels", "KERNELS", "1,2"), ("splits", "SPLITS", "1,10")], "launch_floor.json"),
+         "decode": (decode, [], "decode_order.json")}
+
+if __name__ == "__main__":
+    sweep(*KINDS[os.environ.get("KIND", "gather")])
