@@ -16,10 +16,11 @@ What it checks, per case (:func:`make_case`, :class:`CaseSpec`):
   entries, a query with no valid token at all;
 - every cache byte that no valid index refers to is filled with NaN bytes (fp8 ``0x7F``, bf16
   and UE8M0 ``0xFF``), and the output memory is poisoned with NaN before the call;
-- out and lse against the float64 reference on the dequantized cache with the SPEC's tolerances
-  (:func:`check_against_reference`): out ``|err| < 1e-3`` or ``rel < 2.01/128``, lse
-  ``|err| < 1e-6`` or ``rel < 8.01/65536``, the positions of inf and NaN exactly; the worst
-  element and its index are reported;
+- out and lse against the float64 reference on the dequantized cache with FlashMLA's whole
+  check (:func:`check_against_reference`): out ``|err| < 1e-3`` or ``rel < 2.01/128``, lse
+  ``|err| < 1e-6`` or ``rel < 8.01/65536``, the positions of inf and NaN exactly, and the cosine
+  difference (:func:`cosine_diff`) at most 5e-6 for out and 1e-7 for lse; the worst element and
+  its index are reported beside the cosine difference;
 - dtypes (out bf16, lse fp32), no NaN anywhere, and (``leak_check``) that the answer is the same
   bit for bit when the unreferenced bytes hold zeros instead of NaN: nothing the call must not
   read may change what it returns.
@@ -45,6 +46,8 @@ import torch
 #: out: |err| < 1e-3 or rel < 2.01/128; lse: |err| < 1e-6 or rel < 8.01/65536 (FlashMLA's own).
 OUT_ABS, OUT_REL = 1e-3, 2.01 / 128
 LSE_ABS, LSE_REL = 1e-6, 8.01 / 65536
+#: FlashMLA's cosine-difference bounds (its decode test's check_is_allclose): out 5e-6, lse 1e-7.
+OUT_COS, LSE_COS = 5e-6, 1e-7
 
 
 @dataclass
@@ -56,7 +59,10 @@ class Closeness:
     allowance applies). ``worst_rel_past_abs`` is the largest relative error among the elements
     whose absolute error is past ``abs_tol``: the tensor passes iff it is below ``rel_tol``.
     ``worst_excess`` is, for the worst element, ``min(|err|/abs_tol, rel/rel_tol)`` (an element
-    passes when it is < 1; inf for an inf/NaN position mismatch); ``worst_index`` is where."""
+    passes when it is < 1; inf for an inf/NaN position mismatch); ``worst_index`` is where.
+    ``cos_diff`` is FlashMLA's cosine difference (:func:`cosine_diff`); with ``cos_tol`` set, the
+    tensor passes only if it is at most that too. It sees what no elementwise bound can: a bias
+    that every element carries a little of, such as rounding toward zero."""
 
     name: str
     ok: bool
@@ -70,10 +76,13 @@ class Closeness:
     note: str = field(default="")
     worst_excess: float = 0.0
     worst_rel_past_abs: float = 0.0
+    cos_diff: float = 0.0
+    cos_tol: float | None = None
 
     def __str__(self):
         s = (f"{self.name}: {'ok' if self.ok else 'FAIL'} (bad {self.n_bad}, inf/nan mismatches "
-             f"{self.special_mismatch}, worst abs {self.worst_abs:.3g}, worst rel {self.worst_rel:.3g}")
+             f"{self.special_mismatch}, worst abs {self.worst_abs:.3g}, worst rel {self.worst_rel:.3g}, "
+             f"cosine diff {self.cos_diff:.3g}")
         if self.worst_index is not None:
             s += f" at {self.worst_index}: got {self.worst_value!r}, ref {self.worst_ref!r}"
         if self.note:
@@ -81,9 +90,26 @@ class Closeness:
         return s + ")"
 
 
-def compare(name: str, got: torch.Tensor, ref: torch.Tensor, abs_tol: float, rel_tol: float) -> Closeness:
+def cosine_diff(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """FlashMLA's cosine difference, as its kernelkit ``check_is_allclose`` computes it: the
+    reference in the dtype of ``got`` (FlashMLA's reference output is bf16; ours, float64, is
+    rounded to it), both in float32 with inf and nan zeroed, then ``1 - 2<a, r> / (|a|^2 + |r|^2)``
+    in float64; 0 when the reference is (nearly) all zero."""
+    a = got.detach().float().cpu()
+    r = ref.detach().to(got.dtype).float().cpu()
+    a = torch.where(torch.isfinite(a), a, torch.zeros_like(a)).double()
+    r = torch.where(torch.isfinite(r), r, torch.zeros_like(r)).double()
+    if float((r * r).sum()) < 1e-12:
+        return 0.0
+    return 1.0 - 2.0 * float((a * r).sum()) / float((a * a + r * r).sum())
+
+
+def compare(name: str, got: torch.Tensor, ref: torch.Tensor, abs_tol: float, rel_tol: float,
+            cos_tol: float | None = None) -> Closeness:
     """Elementwise: each element within ``abs_tol`` or within ``rel_tol * |ref|``; the positions
-    of +inf, -inf and nan must match exactly. Reports the worst element and where it is."""
+    of +inf, -inf and nan must match exactly; and, with ``cos_tol``, FlashMLA's cosine
+    difference (:func:`cosine_diff`) at most ``cos_tol``. Reports the worst element and where
+    it is."""
     if got.shape != ref.shape:
         return Closeness(name, False, got.numel(), float("inf"), float("inf"),
                          note=f"shape {tuple(got.shape)} != {tuple(ref.shape)}", worst_excess=float("inf"),
@@ -110,15 +136,19 @@ def compare(name: str, got: torch.Tensor, ref: torch.Tensor, abs_tol: float, rel
     else:
         widx = wv = wr = None
         wex = rpa = 0.0
-    return Closeness(name, n_bad == 0, n_bad, float(err.max()) if g.numel() else 0.0,
+    cos = cosine_diff(got, ref) if g.numel() else 0.0
+    ok = n_bad == 0 and (cos_tol is None or abs(cos) <= cos_tol)
+    return Closeness(name, ok, n_bad, float(err.max()) if g.numel() else 0.0,
                      float(torch.where(finite, rel, torch.zeros_like(rel)).max()) if g.numel() else 0.0,
-                     widx, wv, wr, int(special.sum()), worst_excess=wex, worst_rel_past_abs=rpa)
+                     widx, wv, wr, int(special.sum()), worst_excess=wex, worst_rel_past_abs=rpa, cos_diff=cos,
+                     cos_tol=cos_tol)
 
 
 def check_against_reference(out, lse, ref_out, ref_lse) -> tuple[Closeness, Closeness]:
-    """The SPEC's tolerance check of (out, lse) against the float64 reference's."""
-    return (compare("out", out, ref_out, OUT_ABS, OUT_REL),
-            compare("lse", lse, ref_lse, LSE_ABS, LSE_REL))
+    """FlashMLA's whole check of (out, lse) against the float64 reference's: the elementwise
+    tolerances, the inf/nan positions and the cosine difference."""
+    return (compare("out", out, ref_out, OUT_ABS, OUT_REL, OUT_COS),
+            compare("lse", lse, ref_lse, LSE_ABS, LSE_REL, LSE_COS))
 
 
 # --------------------------------------------------------------------------------------------
@@ -513,8 +543,8 @@ def _num(x):
 
 ROW_COLUMNS = ["case", "impl", "b", "s_q", "h_q", "topk", "page", "extra_topk", "extra_page", "lengths", "sink",
                "empty_query", "invalid_frac", "ok", "n_bad", "out_bad", "lse_bad", "out_max_abs", "out_max_rel",
-               "out_excess", "out_worst_at", "out_worst_got", "out_worst_ref", "lse_max_abs", "lse_max_rel",
-               "lse_excess", "lse_worst_at", "lse_worst_got", "lse_worst_ref", "dtype_ok", "nan_count",
+               "out_excess", "out_worst_at", "out_worst_got", "out_worst_ref", "out_cos", "lse_max_abs", "lse_max_rel",
+               "lse_excess", "lse_worst_at", "lse_worst_got", "lse_worst_ref", "lse_cos", "dtype_ok", "nan_count",
                "leak_ok", "seconds", "crashed", "error"]
 
 
@@ -564,8 +594,9 @@ def _check(spec: CaseSpec, name: str, fn, case: dict, ref, leak_check: bool) -> 
     row.update(impl=name, ok=ok, n_bad=co.n_bad + cl.n_bad, out_bad=co.n_bad, lse_bad=cl.n_bad,
                out_max_abs=co.worst_abs, out_max_rel=co.worst_rel_past_abs, out_excess=co.worst_excess,
                out_worst_at=_where(co.worst_index, "bshc"), out_worst_got=co.worst_value, out_worst_ref=co.worst_ref,
-               lse_max_abs=cl.worst_abs, lse_max_rel=cl.worst_rel_past_abs, lse_excess=cl.worst_excess,
-               lse_worst_at=_where(cl.worst_index, "bhs"), lse_worst_got=cl.worst_value, lse_worst_ref=cl.worst_ref,
+               out_cos=co.cos_diff, lse_max_abs=cl.worst_abs, lse_max_rel=cl.worst_rel_past_abs,
+               lse_excess=cl.worst_excess, lse_worst_at=_where(cl.worst_index, "bhs"), lse_worst_got=cl.worst_value,
+               lse_worst_ref=cl.worst_ref, lse_cos=cl.cos_diff,
                dtype_ok=dtype_ok, nan_count=nan_count, leak_ok=leak_ok, seconds=secs, crashed=False,
                error="; ".join(notes) or None)
     return row
@@ -677,22 +708,26 @@ def summary(rows) -> dict:
         sub = [r for r in rows if r["impl"] == impl]
         per_impl[impl] = {"rows": len(sub), "failures": sum(not r["ok"] for r in sub),
                           "worst_out_abs": worst("out_max_abs", sub), "worst_out_excess": worst("out_excess", sub),
-                          "worst_lse_abs": worst("lse_max_abs", sub), "worst_lse_excess": worst("lse_excess", sub)}
+                          "worst_out_cos": worst("out_cos", sub),
+                          "worst_lse_abs": worst("lse_max_abs", sub), "worst_lse_excess": worst("lse_excess", sub),
+                          "worst_lse_cos": worst("lse_cos", sub)}
 
     def why(r):
         if r.get("error"):
             return r["error"]
-        return (f"out bad {_fmt(r['out_bad'], 'd')} (worst at {r['out_worst_at']}), lse bad {_fmt(r['lse_bad'], 'd')}, "
+        return (f"out bad {_fmt(r['out_bad'], 'd')} (worst at {r['out_worst_at']}), cosine diff {_fmt(r.get('out_cos'))}, "
+                f"lse bad {_fmt(r['lse_bad'], 'd')}, cosine diff {_fmt(r.get('lse_cos'))}, "
                 f"NaN {_fmt(r['nan_count'], 'd')}, leak check {'failed' if r['leak_ok'] is False else 'ok'}")
 
     return {
         "cases": len({r["case"] for r in rows}), "rows": len(rows), "impls": list(per_impl),
         "failures": sum(not r["ok"] for r in rows), "crashes": sum(bool(r.get("crashed")) for r in rows),
         "worst_out_abs": worst("out_max_abs"), "worst_out_rel": worst("out_max_rel"),
-        "worst_out_excess": worst("out_excess"),
+        "worst_out_excess": worst("out_excess"), "worst_out_cos": worst("out_cos"),
         "worst_lse_abs": worst("lse_max_abs"), "worst_lse_rel": worst("lse_max_rel"),
-        "worst_lse_excess": worst("lse_excess"),
-        "tolerances": {"out_abs": OUT_ABS, "out_rel": OUT_REL, "lse_abs": LSE_ABS, "lse_rel": LSE_REL},
+        "worst_lse_excess": worst("lse_excess"), "worst_lse_cos": worst("lse_cos"),
+        "tolerances": {"out_abs": OUT_ABS, "out_rel": OUT_REL, "out_cos": OUT_COS, "lse_abs": LSE_ABS,
+                       "lse_rel": LSE_REL, "lse_cos": LSE_COS},
         "nan_leak_checks": {"rows_checked_for_nan": sum(r.get("nan_count") is not None for r in rows),
                             "rows_with_nan": sum((r.get("nan_count") or 0) > 0 for r in rows),
                             "unreferenced_invariance_run": sum(r.get("leak_ok") is not None for r in rows),
@@ -711,23 +746,28 @@ def _fmt(x, spec=".2g"):
     return format(float(x), spec)
 
 
-_TABLE_COLUMNS = ("case", "impl", "ok", "out bad", "out max|err|", "out worst/allow", "out worst at", "lse bad",
-                  "lse worst/allow", "lse worst at", "NaN", "leak", "s", "note")
+_TABLE_COLUMNS = ("case", "impl", "ok", "out bad", "out max|err|", "out worst/allow", "out worst at", "out cos/allow",
+                  "lse bad", "lse worst/allow", "lse worst at", "lse cos/allow", "NaN", "leak", "s", "note")
+
+
+def _cos_share(x, tol):
+    return "-" if _missing(x) else _fmt(abs(float(x)) / tol)
 
 
 def _table_cells(r) -> list[str]:
     leak = {True: "ok", False: "LEAK"}.get(r["leak_ok"], "-")
     return [str(r["case"]), str(r["impl"]), "ok" if r["ok"] else "FAIL", _fmt(r["out_bad"], "d"),
-            _fmt(r["out_max_abs"]), _fmt(r["out_excess"]), _fmt(r["out_worst_at"]), _fmt(r["lse_bad"], "d"),
-            _fmt(r["lse_excess"]), _fmt(r["lse_worst_at"]), _fmt(r["nan_count"], "d"), leak, _fmt(r["seconds"], ".2f"),
-            (r["error"] or "")[:80]]
+            _fmt(r["out_max_abs"]), _fmt(r["out_excess"]), _fmt(r["out_worst_at"]), _cos_share(r.get("out_cos"), OUT_COS),
+            _fmt(r["lse_bad"], "d"), _fmt(r["lse_excess"]), _fmt(r["lse_worst_at"]), _cos_share(r.get("lse_cos"), LSE_COS),
+            _fmt(r["nan_count"], "d"), leak, _fmt(r["seconds"], ".2f"), (r["error"] or "")[:80]]
 
 
 def table(rows, title: str = "mla.validate", max_rows: int | None = None, width: int = 200,
           failures_first: bool = True) -> str:
     """Render a sweep (a DataFrame or rows) as a table, failures first; returns the text (print
     it). "worst/allow" is the worst element's error over its allowance (it passes below 1);
-    "at" is its index (out: ``b s h c``, lse: ``b h s``). Uses rich when it is installed."""
+    "at" is its index (out: ``b s h c``, lse: ``b h s``); "cos/allow" the cosine difference over
+    FlashMLA's bound (it passes at 1 or below). Uses rich when it is installed."""
     rows = _rows(rows)
     s = summary(rows)
     if failures_first:
@@ -750,7 +790,7 @@ def table(rows, title: str = "mla.validate", max_rows: int | None = None, width:
                      else "right", overflow="fold")
     style = {"ok": "[green]ok[/green]", "FAIL": "[bold red]FAIL[/bold red]", "LEAK": "[bold red]LEAK[/bold red]"}
     for r in rows:
-        t.add_row(*[style.get(c, escape(c)) if i in (2, 11) else escape(c) for i, c in enumerate(_table_cells(r))])
+        t.add_row(*[style.get(c, escape(c)) if i in (2, 13) else escape(c) for i, c in enumerate(_table_cells(r))])
     con = Console(width=width, record=True, file=io.StringIO(), force_terminal=False, force_jupyter=False)
     con.print(t)
     return con.export_text()
@@ -782,7 +822,9 @@ class Report:
         s = self.summary
         lines = [table(self.rows, self.title)]
         lines.append(f"{'PASS' if self.ok else 'FAIL'}: {s['rows']} runs, {s['failures']} failed; worst out error "
-                     f"{_fmt(s['worst_out_excess'])} of its allowance, worst lse {_fmt(s['worst_lse_excess'])}")
+                     f"{_fmt(s['worst_out_excess'])} of its allowance, worst lse {_fmt(s['worst_lse_excess'])}; "
+                     f"worst cosine diff out {_fmt(s['worst_out_cos'])} (bound {OUT_COS:g}), lse "
+                     f"{_fmt(s['worst_lse_cos'])} (bound {LSE_COS:g})")
         lines += [f"  {f}" for f in s["failed"][:20]]
         return "\n".join(lines)
 
@@ -809,7 +851,7 @@ def validate(fn, cases=None, device=None, *, progress: bool = True, leak_check: 
 def _broken_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, topk_length=None,
                    extra_k_cache=None, extra_indices=None, extra_topk_length=None, *,
                    mask_scores=True, zero_masked_v=True, clamp_only=False, sink_per_split=False,
-                   sink_in_lse=False, naive_empty=False):
+                   sink_in_lse=False, naive_empty=False, round_toward_zero=False):
     """The reference's algorithm in float32 with one mistake switched on (see :data:`BROKEN`)."""
     from .layout import D_QK, gather_tokens
 
@@ -858,6 +900,9 @@ def _broken_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, topk
     lse = torch.where(empty, torch.full_like(lse, math.inf), lse)
     if sink_in_lse and sink is not None:
         lse = torch.logaddexp(lse, sink)
+    if round_toward_zero:                                      # bf16 by dropping the low 16 bits
+        bits = out.float().contiguous().view(torch.int32) >> 16
+        return bits.to(torch.int16).view(torch.bfloat16), lse.permute(0, 2, 1).contiguous()
     return out.bfloat16(), lse.permute(0, 2, 1).contiguous()
 
 
@@ -869,12 +914,14 @@ BROKEN = {
     "sink before the combine": functools.partial(_broken_decode, sink_per_split=True),
     "lse includes the sink": functools.partial(_broken_decode, sink_in_lse=True),
     "no empty-query guard": functools.partial(_broken_decode, naive_empty=True),
+    "bf16 rounded toward zero": functools.partial(_broken_decode, round_toward_zero=True),
 }
 #: The correct float32 version of the same code (so the mistakes, not the code, are caught).
 CORRECT_F32 = functools.partial(_broken_decode)
 
 
-__all__ = ["OUT_ABS", "OUT_REL", "LSE_ABS", "LSE_REL", "Closeness", "compare", "check_against_reference",
+__all__ = ["OUT_ABS", "OUT_REL", "LSE_ABS", "LSE_REL", "OUT_COS", "LSE_COS", "Closeness", "cosine_diff", "compare",
+           "check_against_reference",
            "INVALID_KINDS", "invalid_values", "poison_unreferenced", "make_case", "poison_allocator", "run_case",
            "CaseSpec", "cases", "quick_cases", "odd_cases", "benchmark_cases", "ODD_AXES", "sweep", "sweep_rows",
            "check",

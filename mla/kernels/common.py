@@ -14,6 +14,9 @@ import triton.language as tl
 from .. import _runtime
 from ..layout import DATA_BYTES, NOPE_BYTES, SCALE_BYTES
 
+#: Whether the kernels run in Triton's interpreter (a constexpr: the compiled kernels do not see it).
+_INTERPRET = tl.constexpr(_runtime.INTERPRET)
+
 #: Byte constants as Triton constexprs.
 _DATA = tl.constexpr(DATA_BYTES)     # 576
 _NOPE = tl.constexpr(NOPE_BYTES)     # 448
@@ -32,6 +35,22 @@ def e4m3_to_f32(bits):
     h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
     f = h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
     return tl.where((b & 0x7F) == 0x7F, float("nan"), f)
+
+
+@triton.jit
+def to_bf16(x):
+    """fp32 -> bf16, rounded to nearest even on every target. Every bf16 store of the kernels
+    goes through here. On a GPU it is the plain cast. Triton's interpreter casts by dropping the
+    low 16 bits (rounding toward zero, a bias that FlashMLA's cosine check catches), so there the
+    bf16 bits are made from the fp32 bits with integer arithmetic: add 0x7FFF plus the lowest
+    kept bit, keep the high half. NaN stays NaN (quieted), inf stays inf, subnormals round like
+    normal numbers, and a finite value past the largest bf16 rounds to inf, as on the GPU."""
+    if _INTERPRET:
+        bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+        nan = (bits & 0x7FFFFFFF) > 0x7F800000
+        bits = tl.where(nan, bits | 0x400000, bits + 0x7FFF + ((bits >> 16) & 1))
+        return (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return x.to(tl.bfloat16)
 
 
 @triton.jit

@@ -22,7 +22,7 @@ import triton.language as tl
 from .. import _runtime
 from ..layout import D_QK
 from .common import (cache_args, dequant, fp8_native, load_raw, load_token_tile, split_range, tile_source,
-                     token_rows)
+                     to_bf16, token_rows)
 
 LOG2E = 1.4426950408889634
 
@@ -239,13 +239,13 @@ def mma_decode_kernel(
             o0 = o0 * f[:, None]
         o0 = tl.where(empty[:, None], 0.0, o0)
         orow = out_ptr + (tok.to(tl.int64) * h_q + heads) * 512
-        tl.store(orow[:, None] + half * 256 + c[None, :], o0.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+        tl.store(orow[:, None] + half * 256 + c[None, :], to_bf16(o0), mask=hmask[:, None])
         if DV_HALVES == 1:
             o1 = acc1 / l_safe[:, None]
             if HAS_SINK:
                 o1 = o1 * f[:, None]
             o1 = tl.where(empty[:, None], 0.0, o1)
-            tl.store(orow[:, None] + 256 + c[None, :], o1.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+            tl.store(orow[:, None] + 256 + c[None, :], to_bf16(o1), mask=hmask[:, None])
         tl.store(lse_ptr + (b * h_q + heads) * s_q + s_idx, tl.where(empty, float("inf"), lse), mask=lmask)
 
 
@@ -283,7 +283,7 @@ def combine_kernel(po_ptr, plse_ptr, out_ptr, lse_ptr, sink_ptr, s_q, h_q, num_s
         out = out * (1.0 / (1.0 + tl.exp(sink - tl.where(empty, 0.0, lse))))[:, None]
     out = tl.where(empty[:, None], 0.0, out)
     tl.store(out_ptr + (tok.to(tl.int64) * h_q + heads)[:, None] * 512 + c[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+             to_bf16(out), mask=hmask[:, None])
     tl.store(lse_ptr + (b * h_q + heads) * s_q + s_idx, tl.where(empty, float("inf"), lse), mask=hmask)
 
 

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ..layout import D_QK
-from .common import cache_args, fp8_native, load_token_tile, token_rows
+from .common import cache_args, fp8_native, load_token_tile, to_bf16, token_rows
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -83,7 +83,7 @@ def simt_decode_kernel(
         out = out * (1.0 / (1.0 + tl.exp(sink - tl.where(empty, 0.0, lse))))[:, None]
     out = tl.where(empty[:, None], 0.0, out)
     lse = tl.where(empty, float("inf"), lse)
-    tl.store(out_ptr + (tok.to(tl.int64) * h_q + h) * 512 + col, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + (tok.to(tl.int64) * h_q + h) * 512 + col, to_bf16(out))
     tl.store(lse_ptr + (b * h_q + h) * s_q + s + tl.arange(0, 1), lse)
 
 

@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .common import split_range, tile_source, token_rows
+from .common import split_range, tile_source, to_bf16, token_rows
 
 # Gluon is experimental and its names move: the CTA-wide barrier is gl.thread_barrier in Triton
 # 3.6 (the GPU image) and gl.barrier in 3.9 (CPU CI, which compiles this kernel ahead of time);
@@ -232,7 +232,7 @@ def _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr,
             sink = gl.load(sink_ptr + heads, mask=hmask, other=0.0)
             o = o * (1.0 / (1.0 + gl.exp(sink - gl.where(empty, 0.0, lse))))[:, None]
         o = gl.where(empty[:, None], 0.0, o)
-        _store_o(out_ptr, tok.to(gl.int64) * h_q + heads, hmask, o.to(out_ptr.dtype.element_ty), ABLATE, RL)
+        _store_o(out_ptr, tok.to(gl.int64) * h_q + heads, hmask, to_bf16(o), ABLATE, RL)
         gl.store(lse_ptr + (b * h_q + heads) * s_q + s_idx, gl.where(empty, float("inf"), lse), mask=hmask)
 
 
