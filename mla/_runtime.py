@@ -7,7 +7,7 @@ function) and says so once.
 
 Two consequences of the interpreter, both from SPEC "The kernels":
 - it multiplies bf16 *bit patterns* in ``tl.dot`` (triton-lang/triton#11584), so the
-  kernels use float32 dot operands there (:data:`DOT_DTYPE_NAME`);
+  kernels use float32 dot operands there (:data:`mla.kernels.tl_dot.OPERAND_DTYPE`);
 - it cannot benchmark several autotune configs ("0 active drivers"), so the kernels
   use a single config there (:func:`single_config`).
 """
@@ -37,17 +37,6 @@ if not HAS_CUDA and not _user_set:
 
 #: True when Triton kernels run in the interpreter (CPU).
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
-
-#: The dtype, as a ``triton.language`` attribute name, of ``tl.dot`` operands.
-DOT_DTYPE_NAME: str = "float32" if INTERPRET else "bfloat16"
-
-
-def dot_dtype():
-    """The ``tl`` dtype the kernels cast ``tl.dot`` operands to (a constexpr argument)."""
-    import triton.language as tl
-
-    return getattr(tl, DOT_DTYPE_NAME)
-
 
 def single_config() -> bool:
     """Whether kernels must use one config (the interpreter cannot autotune)."""

@@ -16,13 +16,17 @@ import subprocess
 import sys
 import tempfile
 
+from . import configs, dispatch
+from .configs import GLUON_FORMS
+from .kernels import combine, simt, tl_dot
+
 #: Largest shared memory a block may use, bytes (opt-in maximum), per architecture.
 SMEM_LIMIT = {80: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
 ARCHS = tuple(SMEM_LIMIT)
 
-# Argument types of the decode kernel, by name (pointer element types and scalars).
-_MMA_TYPES = {
-    "q_ptr": "*bf16", "out_ptr": "*bf16", "lse_ptr": "*fp32", "sink_ptr": "*fp32", "po_ptr": "*fp32",
+# Argument types of the decode kernels, by name (pointer element types and scalars).
+_DECODE_TYPES = {
+    "q_ptr": "*bf16", "out_ptr": "*bf16", "lse_ptr": "*fp32", "sink_ptr": "*fp32", "po_ptr": "*fp16",
     "plse_ptr": "*fp32", "kc_ptr": "*u8", "kc_stride": "i32", "kc_P": "i32", "kc_n": "i32", "idx_ptr": "*i32",
     "topk": "i32", "len_ptr": "*i32", "ec_ptr": "*u8", "ec_stride": "i32", "ec_P": "i32", "ec_n": "i32",
     "eidx_ptr": "*i32", "etopk": "i32", "elen_ptr": "*i32", "s_q": "i32", "h_q": "i32",
@@ -30,6 +34,16 @@ _MMA_TYPES = {
 }
 _ALIGNED = {"q_ptr", "out_ptr", "lse_ptr", "sink_ptr", "po_ptr", "plse_ptr", "kc_ptr", "idx_ptr", "len_ptr",
             "ec_ptr", "eidx_ptr", "elen_ptr", "kc_stride", "ec_stride"}
+
+
+def _kernel(name: str):
+    """(kernel, whether it is a Gluon source) by name."""
+    if name == "gluon_decode_kernel":
+        from .kernels.gluon_sm90 import gluon_decode_kernel
+
+        return gluon_decode_kernel, True
+    return {"tl_dot_decode_kernel": tl_dot.tl_dot_decode_kernel, "simt_decode_kernel": simt.simt_decode_kernel,
+            "combine_kernel": combine.combine_kernel}[name], False
 
 
 def _compile_in_process(kernel_name: str, arch: int, constexprs: dict, num_warps: int, num_stages: int,
@@ -40,20 +54,14 @@ def _compile_in_process(kernel_name: str, arch: int, constexprs: dict, num_warps
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from .kernels import mma as mma_mod
-    from .kernels import simt as simt_mod
-
-    if kernel_name == "wgmma_decode_kernel":      # the Gluon sm_90 kernel: a Gluon source
-        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
-
-        from .kernels.wgmma import wgmma_decode_kernel as kernel
-    else:
-        kernel = {"mma_decode_kernel": mma_mod.mma_decode_kernel,
-                  "simt_decode_kernel": simt_mod.simt_decode_kernel}[kernel_name]
+    kernel, is_gluon = _kernel(kernel_name)
+    if is_gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource  # noqa: F811
     sig, attrs = {}, {}
     constexprs = dict(constexprs)
+    all_types = {**_DECODE_TYPES, **(types or {})}
     for i, name in enumerate(kernel.arg_names):      # constexprs left out take their defaults
-        if name not in constexprs and name not in _MMA_TYPES:
+        if name not in constexprs and name not in all_types:
             constexprs[name] = kernel.params[i].default
     # A Gluon variant with ALIGN 8 is for page strides that are multiples of 8, not of 16 (odd P, contiguous).
     aligned = _ALIGNED - ({"kc_stride", "ec_stride"} if constexprs.get("ALIGN") == 8 else set())
@@ -61,7 +69,7 @@ def _compile_in_process(kernel_name: str, arch: int, constexprs: dict, num_warps
         if name in constexprs:
             sig[name] = "constexpr"
         else:
-            sig[name] = (types or {}).get(name, _MMA_TYPES[name])
+            sig[name] = all_types[name]
             if name in aligned:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     consts = dict(constexprs)
@@ -181,77 +189,62 @@ def _worker():
     sys.stdout.write("\n" + json.dumps(out) + "\n")
 
 
-def mma_variant(arch: int, block_h=64, block_n=64, num_warps=8, num_stages=1, has_extra=True, partial=True,
-                tokens_as_m=False, prefetch=False, p_split=False, dot="float16", dv_halves=1,
-                partial_fp16=False, maxnreg=0, asm: tuple = (), loops=False) -> dict:
-    """The decode kernel's variant for ``arch`` with a config (sink and lengths on)."""
-    return {"kernel": "mma_decode_kernel", "arch": arch, "num_warps": num_warps, "num_stages": num_stages,
-            "maxnreg": maxnreg, "loops": loops,
-            "asm": list(asm), "types": {"po_ptr": "*fp16"} if partial_fp16 else {},
-            "constexprs": {"HAS_SINK": True, "HAS_LEN": True, "HAS_EXTRA": has_extra, "HAS_ELEN": has_extra,
-                           "PARTIAL": partial, "BLOCK_H": block_h, "BLOCK_N": block_n,
-                           "FP8_NATIVE": arch >= 89, "DOT": dot,
-                           "TOKENS_AS_M": tokens_as_m, "PREFETCH": prefetch,
-                           "P_SPLIT": p_split, "DV_HALVES": dv_halves}}
+def _flags(has_extra: bool, partial: bool) -> dict:
+    return {"HAS_SINK": True, "HAS_LEN": True, "HAS_EXTRA": has_extra, "HAS_ELEN": has_extra, "PARTIAL": partial}
 
 
-def wgmma_variant(arch: int = 90, block_n=64, has_extra=True, partial=True, partial_fp16=True, maxnreg=0,
-                  asm: tuple = (), loops=False, align=16, block_h=64, duo=False) -> dict:
-    """The Gluon sm_90 kernel's variant (:mod:`mla.kernels.wgmma`; sink and lengths on; cache
-    rows copied ``align`` bytes at a time: 8 for page strides that are multiples of 8 only, as a
-    contiguous cache's are at an odd page size). ``block_h`` 64: heads as M; 16 or 8: tokens as
-    M, with ``block_n`` 64 or 128 (two of the ring's 64-token tiles), or with ``duo`` (8 heads)
-    two consumer warpgroups. Warps, ring stages and register splits are the launch's."""
-    from .kernels.wgmma import launch_options
-
-    opts = launch_options(duo)
-    return {"kernel": "wgmma_decode_kernel", "arch": arch, "num_warps": opts.pop("num_warps"), "num_stages": 1,
+def tl_dot_variant(arch: int, block_h=64, block_n=64, num_warps=8, num_stages=1, dv_halves=1, has_extra=True,
+                   partial=True, dot="float16", maxnreg=0, asm: tuple = (), loops=False) -> dict:
+    """The ``tl.dot`` kernel's variant for ``arch`` (sink and lengths on); ``maxnreg`` caps the
+    registers ptxas may use."""
+    return {"kernel": "tl_dot_decode_kernel", "arch": arch, "num_warps": num_warps, "num_stages": num_stages,
             "maxnreg": maxnreg, "loops": loops, "asm": list(asm),
-            "types": {"po_ptr": "*fp16"} if partial_fp16 else {},
-            "constexprs": {"HAS_SINK": True, "HAS_LEN": True, "HAS_EXTRA": has_extra, "HAS_ELEN": has_extra,
-                           "PARTIAL": partial, "BLOCK_N": 64, "ALIGN": align, "BH": block_h,
-                           "U": block_n // 64, **opts}}
+            "constexprs": {**_flags(has_extra, partial), "BLOCK_H": block_h, "BLOCK_N": block_n,
+                           "FP8_NATIVE": arch >= 89, "DOT": dot, "DV_HALVES": dv_halves}}
+
+
+def gluon_variant(form: str = "heads as M", has_extra=True, partial=True, align=16, asm: tuple = (),
+                  loops=False) -> dict:
+    """The Gluon sm_90 kernel's variant in a form of :data:`mla.configs.GLUON_FORMS` (sink and
+    lengths on; cache rows copied ``align`` bytes at a time: 8 for page strides that are
+    multiples of 8 only, as a contiguous cache's are at an odd page size). Warps, ring stages and
+    register splits are the launch's (:func:`mla.kernels.gluon_sm90.launch_options`)."""
+    from .kernels.gluon_sm90 import launch_options
+
+    opts = launch_options(*GLUON_FORMS[form])
+    return {"kernel": "gluon_decode_kernel", "arch": 90, "num_warps": opts.pop("num_warps"), "num_stages": 1,
+            "maxnreg": 0, "loops": loops, "asm": list(asm),
+            "constexprs": {**_flags(has_extra, partial), "ALIGN": align, **opts}}
 
 
 def config_variant(arch: int, cfg, asm: tuple = (), loops: bool = False, has_extra: bool = True) -> dict:
-    """The decode kernel's variant for ``arch`` under an :class:`~mla.kernels.mma.MMAConfig`
-    (the Gluon kernel's for ``cfg.kernel == "wgmma"``)."""
-    if cfg.kernel == "wgmma":
-        return wgmma_variant(arch, block_n=cfg.block_n, has_extra=has_extra, partial_fp16=cfg.partial_fp16,
-                             maxnreg=cfg.maxnreg, asm=asm, loops=loops, block_h=cfg.block_h, duo=cfg.duo)
-    return mma_variant(arch, block_h=cfg.block_h, block_n=cfg.block_n, num_warps=cfg.num_warps,
-                       num_stages=cfg.num_stages, tokens_as_m=cfg.tokens_as_m, prefetch=cfg.prefetch,
-                       p_split=cfg.p_split, dot={"fp16": "float16", "bf16": "bfloat16"}[cfg.dot],
-                       dv_halves=cfg.dv_halves, partial_fp16=cfg.partial_fp16, maxnreg=cfg.maxnreg, asm=asm,
-                       loops=loops, has_extra=has_extra)
+    """The decode kernel's variant for ``arch`` under a :class:`~mla.configs.TlDotConfig` or a
+    :class:`~mla.configs.GluonConfig`."""
+    if cfg.kernel == "gluon":
+        return gluon_variant(cfg.form, has_extra=has_extra, asm=asm, loops=loops)
+    return tl_dot_variant(arch, block_h=cfg.block_h, block_n=cfg.block_n, num_warps=cfg.num_warps,
+                          num_stages=cfg.num_stages, dv_halves=cfg.dv_halves, has_extra=has_extra, asm=asm,
+                          loops=loops)
+
+
+def shipped_tl_dot_configs(arch: int) -> list:
+    """Every ``tl.dot`` config that ``mla`` may launch on ``arch``: its generic table, plus the
+    shipped tables of GPUs of that architecture (the H200 file for sm_90), each with the form
+    :func:`~mla.dispatch.fill_small_grid` launches for a small grid."""
+    tables = [configs.generic(arch)] + ([configs.table_for("NVIDIA H200", "3.6", 90)[1]] if arch == 90 else [])
+    out = []
+    for t in tables:
+        for cfg in t.values():
+            for c in (cfg, dispatch.fill_small_grid(cfg, 1, 1, cfg.block_h, 1, sms=1 << 20)):
+                if c not in out:
+                    out.append(c)
+    return out
 
 
 def shipped_variants(arch: int) -> list[dict]:
-    """Every config that ``mla`` may launch on ``arch``: its generic table, plus the shipped
-    tables of GPUs of that architecture (the H200 file for sm_90), each with the variant
-    :func:`~mla.kernels.mma.fill_small_grid` launches for a small grid, and on sm_90 the Gluon
-    kernel's configs (:func:`mla.configs.hopper_for`)."""
-    from . import configs
-
-    tables = [configs.generic(arch)]
+    """Every decode-kernel variant ``mla`` may launch on ``arch``: the ``tl.dot`` configs of
+    :func:`shipped_tl_dot_configs` and, on sm_90, the Gluon kernel's forms."""
+    out = [config_variant(arch, c) for c in shipped_tl_dot_configs(arch)]
     if arch == 90:
-        tables.append(configs.table_for("NVIDIA H200", "3.6", 90)[1])
-        from .kernels.mma import tokens_as_m
-
-        hop = [c for c in (configs.generic_hopper(90), configs.hopper_for("NVIDIA H200", "3.6", 90)) if c]
-        # with the tokens-as-M forms the launch rule derives from them: on a GPU of 2 SMs, at 8 heads
-        # b 0 is below the 8 x 128 form's threshold (two consumers) and b 1 at it (8 x 128); at 16
-        # heads, 16 heads x 64 tokens
-        hop += [tokens_as_m(c, b, 1, h, sms=2) for c in hop for b, h in ((0, 8), (1, 8), (0, 16))]
-        tables.append(dict(enumerate(hop)))
-    from .kernels.mma import fill_small_grid
-
-    seen, out = set(), []
-    for t in tables:
-        for cfg in t.values():
-            # and the variant a small grid launches instead (two programs per head block)
-            for c in (cfg, fill_small_grid(cfg, 1, 1, cfg.block_h, 1, sms=1 << 20)):
-                if c not in seen:
-                    seen.add(c)
-                    out.append(config_variant(arch, c))
+        out += [gluon_variant(form) for form in GLUON_FORMS]
     return out

@@ -1,138 +1,257 @@
-"""The public entry point, :func:`sparse_decode`, with FlashMLA's argument names and checks."""
+"""The public entry points, with FlashMLA's argument names and checks: :func:`plan` decides a
+call once, :func:`sparse_decode` runs it.
+
+A plan holds everything that depends only on the shapes, the flags and the device: the impl,
+the kernel with its form, config and split count (:mod:`mla.dispatch`), and the split
+partials' workspace. It checks the inputs once; a call with the plan checks only that its
+arguments are consistent with it (a cheap comparison of shapes, dtypes and devices) and
+launches. A call without a plan finds one in a small cache keyed on the same facts.
+"""
 from __future__ import annotations
 
+import collections
+import dataclasses
 import math
 
 import torch
 
-from . import _runtime
-from .layout import D_QK, TOKEN_BYTES
+from . import _runtime, dispatch
+from .kernels import writer
+from .layout import D_QK, TOKEN_BYTES, check_cache, fail
+from .reference import sparse_decode_reference
 
 IMPLS = ("auto", "mma", "simt", "reference")
 MAX_HEADS = 128
-
-
-def _fail(arg: str, msg: str):
-    raise ValueError(f"{arg}: {msg}")
-
-
-def check_cache(k_cache, arg: str = "k_cache") -> None:
-    """Raise ValueError naming ``arg`` unless ``k_cache`` is a MODEL1 cache tensor."""
-    if not isinstance(k_cache, torch.Tensor):
-        _fail(arg, f"expected a torch.Tensor, got {type(k_cache).__name__}")
-    if k_cache.dtype not in (torch.float8_e4m3fn, torch.uint8):
-        _fail(arg, f"expected dtype torch.float8_e4m3fn or torch.uint8, got {k_cache.dtype}")
-    if k_cache.dim() != 4:
-        _fail(arg, f"expected rank 4 [num_blocks, P, 1, {TOKEN_BYTES}], got rank {k_cache.dim()}")
-    nb, p, hk, nbytes = k_cache.shape
-    if hk != 1 or nbytes != TOKEN_BYTES or nb < 1 or p < 1:
-        _fail(arg, f"expected shape [num_blocks >= 1, P >= 1, 1, {TOKEN_BYTES}], got {tuple(k_cache.shape)}")
-    if k_cache.stride(3) != 1:
-        _fail(arg, f"the last dim must be contiguous (stride 1), got stride {k_cache.stride(3)}")
-    if nb > 1 and k_cache.stride(0) < p * TOKEN_BYTES:
-        _fail(arg, f"page stride too small: stride(0) = {k_cache.stride(0)} bytes < P*{TOKEN_BYTES} = {p * TOKEN_BYTES}")
-    n = (nb - 1) * k_cache.stride(0) + p * TOKEN_BYTES
-    if k_cache.storage_offset() + n > k_cache.untyped_storage().nbytes():
-        _fail(arg, "the tensor's pages reach past the end of its storage")
+#: the arguments, in the order of a call's signature (:func:`_signature`)
+_SIGNATURE_ARGS = ("q", "k_cache", "indices", "softmax_scale", "attn_sink", "topk_length", "extra_k_cache",
+                   "extra_indices", "extra_topk_length")
 
 
 def _check_indices(ind, arg, b, s_q, device):
     if not isinstance(ind, torch.Tensor):
-        _fail(arg, f"expected a torch.Tensor, got {type(ind).__name__}")
+        fail(arg, f"expected a torch.Tensor, got {type(ind).__name__}")
     if ind.dtype != torch.int32:
-        _fail(arg, f"expected dtype torch.int32, got {ind.dtype}")
+        fail(arg, f"expected dtype torch.int32, got {ind.dtype}")
     if ind.dim() != 3:
-        _fail(arg, f"expected rank 3 [b, s_q, topk], got rank {ind.dim()}")
+        fail(arg, f"expected rank 3 [b, s_q, topk], got rank {ind.dim()}")
     if ind.shape[0] != b or ind.shape[1] != s_q:
-        _fail(arg, f"batch/s_q mismatch: expected [{b}, {s_q}, topk] to match q, got {tuple(ind.shape)}")
+        fail(arg, f"batch/s_q mismatch: expected [{b}, {s_q}, topk] to match q, got {tuple(ind.shape)}")
     if ind.shape[2] < 1:
-        _fail(arg, "topk must be >= 1")
+        fail(arg, "topk must be >= 1")
     if ind.device != device:
-        _fail(arg, f"device mismatch: on {ind.device}, q is on {device}")
+        fail(arg, f"device mismatch: on {ind.device}, q is on {device}")
 
 
-def _check_length(t, arg, b, device):
+def _check_vector(t, arg, n, dtype, what, device):
     if not isinstance(t, torch.Tensor):
-        _fail(arg, f"expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.int32:
-        _fail(arg, f"expected dtype torch.int32, got {t.dtype}")
-    if t.dim() != 1 or t.shape[0] != b:
-        _fail(arg, f"expected shape [b] = [{b}], got {tuple(t.shape)}")
+        fail(arg, f"expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        fail(arg, f"expected dtype {dtype}, got {t.dtype}")
+    if t.dim() != 1 or t.shape[0] != n:
+        fail(arg, f"expected shape [{what}] = [{n}], got {tuple(t.shape)}")
     if t.device != device:
-        _fail(arg, f"device mismatch: on {t.device}, q is on {device}")
+        fail(arg, f"device mismatch: on {t.device}, q is on {device}")
 
 
 def check_inputs(q, k_cache, indices, softmax_scale=None, attn_sink=None, topk_length=None,
                  extra_k_cache=None, extra_indices=None, extra_topk_length=None, impl="auto"):
-    """Every argument check of the SPEC; raises ValueError naming the argument."""
+    """Every argument check of the contract; raises ValueError naming the argument."""
     if impl not in IMPLS:
-        _fail("impl", f"expected one of {IMPLS}, got {impl!r}")
+        fail("impl", f"expected one of {IMPLS}, got {impl!r}")
     if not isinstance(q, torch.Tensor):
-        _fail("q", f"expected a torch.Tensor, got {type(q).__name__}")
+        fail("q", f"expected a torch.Tensor, got {type(q).__name__}")
     if q.dtype != torch.bfloat16:
-        _fail("q", f"expected dtype torch.bfloat16, got {q.dtype}")
+        fail("q", f"expected dtype torch.bfloat16, got {q.dtype}")
     if q.dim() != 4:
-        _fail("q", f"expected rank 4 [b, s_q, h_q, {D_QK}], got rank {q.dim()}")
+        fail("q", f"expected rank 4 [b, s_q, h_q, {D_QK}], got rank {q.dim()}")
     b, s_q, h_q, d = q.shape
     if d != D_QK:
-        _fail("q", f"expected head dim {D_QK}, got {d}")
+        fail("q", f"expected head dim {D_QK}, got {d}")
     if b < 1 or s_q < 1:
-        _fail("q", f"expected b >= 1 and s_q >= 1, got shape {tuple(q.shape)}")
+        fail("q", f"expected b >= 1 and s_q >= 1, got shape {tuple(q.shape)}")
     if not 1 <= h_q <= MAX_HEADS:
-        _fail("q", f"expected 1 <= h_q <= {MAX_HEADS}, got {h_q}")
+        fail("q", f"expected 1 <= h_q <= {MAX_HEADS}, got {h_q}")
     dev = q.device
     check_cache(k_cache, "k_cache")
     if k_cache.device != dev:
-        _fail("k_cache", f"device mismatch: on {k_cache.device}, q is on {dev}")
+        fail("k_cache", f"device mismatch: on {k_cache.device}, q is on {dev}")
     _check_indices(indices, "indices", b, s_q, dev)
     if softmax_scale is not None:
         if isinstance(softmax_scale, (torch.Tensor, bool)) or not isinstance(softmax_scale, (int, float)):
-            _fail("softmax_scale", f"expected a Python float, got {type(softmax_scale).__name__}")
+            fail("softmax_scale", f"expected a Python float, got {type(softmax_scale).__name__}")
         if not math.isfinite(softmax_scale) or softmax_scale <= 0:
-            _fail("softmax_scale", f"expected a finite float > 0, got {softmax_scale!r}")
+            fail("softmax_scale", f"expected a finite float > 0, got {softmax_scale!r}")
     if attn_sink is not None:
-        if not isinstance(attn_sink, torch.Tensor):
-            _fail("attn_sink", f"expected a torch.Tensor, got {type(attn_sink).__name__}")
-        if attn_sink.dtype != torch.float32:
-            _fail("attn_sink", f"expected dtype torch.float32, got {attn_sink.dtype}")
-        if attn_sink.dim() != 1 or attn_sink.shape[0] != h_q:
-            _fail("attn_sink", f"expected shape [h_q] = [{h_q}], got {tuple(attn_sink.shape)}")
-        if attn_sink.device != dev:
-            _fail("attn_sink", f"device mismatch: on {attn_sink.device}, q is on {dev}")
+        _check_vector(attn_sink, "attn_sink", h_q, torch.float32, "h_q", dev)
     if topk_length is not None:
-        _check_length(topk_length, "topk_length", b, dev)
+        _check_vector(topk_length, "topk_length", b, torch.int32, "b", dev)
     has_extra = [x is not None for x in (extra_k_cache, extra_indices)]
     if any(has_extra) and not all(has_extra):
-        _fail("extra_k_cache" if not has_extra[0] else "extra_indices",
-              "extra_k_cache and extra_indices must be given together")
+        fail("extra_k_cache" if not has_extra[0] else "extra_indices",
+             "extra_k_cache and extra_indices must be given together")
     if extra_topk_length is not None and extra_indices is None:
-        _fail("extra_topk_length", "given without extra_k_cache and extra_indices")
+        fail("extra_topk_length", "given without extra_k_cache and extra_indices")
     if extra_k_cache is not None:
         check_cache(extra_k_cache, "extra_k_cache")
         if extra_k_cache.device != dev:
-            _fail("extra_k_cache", f"device mismatch: on {extra_k_cache.device}, q is on {dev}")
+            fail("extra_k_cache", f"device mismatch: on {extra_k_cache.device}, q is on {dev}")
         _check_indices(extra_indices, "extra_indices", b, s_q, dev)
         if extra_topk_length is not None:
-            _check_length(extra_topk_length, "extra_topk_length", b, dev)
+            _check_vector(extra_topk_length, "extra_topk_length", b, torch.int32, "b", dev)
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
-    """``"auto"`` is the MMA kernel on a GPU and the reference on the CPU interpreter."""
+    """``"auto"`` is ``"mma"`` wherever the Triton kernels run (a CUDA device, or any device under
+    Triton's CPU interpreter) and ``"reference"`` (plain PyTorch) elsewhere: CPU tensors on a
+    machine whose Triton compiles for its GPU."""
     if impl != "auto":
         return impl
-    if device.type == "cuda" or _runtime.INTERPRET:
-        return "mma" if _available("mma") else ("simt" if _available("simt") else "reference")
-    return "reference"
+    return "mma" if device.type == "cuda" or _runtime.INTERPRET else "reference"
 
 
-def _available(name: str) -> bool:
-    from . import kernels
+def _signature(q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
+               extra_topk_length) -> tuple:
+    """What a plan is made for, one entry per argument: shapes, dtypes and devices (and the
+    caches' page strides, offsets and storage sizes), and the scale with its type. Building it is
+    the whole check of a planned call, so it is written out flat."""
+    e = extra_k_cache
+    return ((q.shape, q.dtype, q.device),
+            (k_cache.shape, k_cache.stride(0), k_cache.storage_offset(), k_cache.untyped_storage().nbytes(),
+             k_cache.dtype, k_cache.device),
+            (indices.shape, indices.dtype, indices.device), (type(softmax_scale), softmax_scale),
+            None if attn_sink is None else (attn_sink.shape, attn_sink.dtype, attn_sink.device),
+            None if topk_length is None else (topk_length.shape, topk_length.dtype, topk_length.device),
+            None if e is None else (e.shape, e.stride(0), e.storage_offset(), e.untyped_storage().nbytes(), e.dtype,
+                                    e.device),
+            None if extra_indices is None else (extra_indices.shape, extra_indices.dtype, extra_indices.device),
+            None if extra_topk_length is None else (extra_topk_length.shape, extra_topk_length.dtype,
+                                                    extra_topk_length.device))
 
-    return name in kernels.AVAILABLE
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+    """A decided call (:func:`plan`): the impl and, for ``"mma"``, the launch (kernel, form,
+    config, splits: ``plan.launch``), for every call whose arguments have the shapes, dtypes and
+    devices it was made for. A plan made by :func:`plan` owns its split workspace: calls with one
+    plan must run in order on one stream, as the layers of a decode step do."""
+
+    impl: str
+    signature: tuple
+    launcher: dispatch.Launcher | None = None
+    workspace: tuple = (None, None)
+
+    @property
+    def launch(self) -> dispatch.Launch | None:
+        """The kernel, its config and form, and the split count (None unless ``impl="mma"``)."""
+        return None if self.launcher is None else self.launcher.launch
+
+    @property
+    def q_shape(self) -> torch.Size:
+        return self.signature[0][0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.signature[0][2]
+
+    def fits(self, q, k_cache, indices, *, softmax_scale=None, attn_sink=None, topk_length=None,
+             extra_k_cache=None, extra_indices=None, extra_topk_length=None) -> bool:
+        """Whether a call with these arguments may use this plan (:func:`sparse_decode` raises a
+        ValueError naming the first argument that does not fit)."""
+        try:
+            return _signature(q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache,
+                              extra_indices, extra_topk_length) == self.signature
+        except (AttributeError, TypeError, IndexError):
+            return False
+
+    def __repr__(self):
+        b, s_q, h_q, _ = self.q_shape
+        what = self.impl if self.launch is None else f"{self.launch.config.label}, {self.launch.splits} split(s)"
+        return f"Plan(b={b}, s_q={s_q}, h_q={h_q}, topk={self.signature[2][0][2]}: {what})"
+
+
+def _make_plan(sig, q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
+               extra_topk_length, impl, config, splits, own_workspace) -> Plan:
+    check_inputs(q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
+                 extra_topk_length, impl)
+    impl = resolve_impl(impl, q.device)
+    if impl != "mma":
+        if config is not None or splits is not None:
+            fail("config" if config is not None else "splits", f"only impl='mma' takes a config; got impl={impl!r}")
+        return Plan(impl, sig)
+    b, s_q, h_q, _ = q.shape
+    extra_topk = extra_indices.shape[-1] if extra_k_cache is not None else 0
+    align = dispatch.gluon_align(k_cache, extra_k_cache)
+    if splits is not None and (not isinstance(splits, int) or splits < 1):
+        fail("splits", f"expected an int >= 1, got {splits!r}")
+    launch = dispatch.plan_launch(q.device, b, s_q, h_q, indices.shape[-1], extra_topk, align, config, splits)
+    ws = dispatch.workspace(launch, b, s_q, h_q, q.device) if own_workspace else (None, None)
+    launcher = dispatch.Launcher(launch, q.shape, k_cache, indices.shape[-1], extra_k_cache, extra_topk,
+                                 softmax_scale, attn_sink is not None, topk_length is not None,
+                                 extra_topk_length is not None)
+    return Plan("mma", sig, launcher, ws)
+
+
+def plan(q, k_cache, indices, *, softmax_scale=None, attn_sink=None, topk_length=None, extra_k_cache=None,
+         extra_indices=None, extra_topk_length=None, impl="auto", config=None, splits=None) -> Plan:
+    """Decide a call once: the arguments of :func:`sparse_decode` (their values are not read,
+    only their shapes, dtypes and devices), checked. ``config`` (a :class:`mla.configs.TlDotConfig`
+    or :class:`mla.configs.GluonConfig`) and ``splits`` force the launch, for tests and
+    experiments. Returns a :class:`Plan` for ``sparse_decode(..., plan=...)``."""
+    sig = _signature_or_check(q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache,
+                              extra_indices, extra_topk_length, impl)
+    return _make_plan(sig, q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
+                      extra_topk_length, impl, config, splits, own_workspace=True)
+
+
+def _signature_or_check(*args):
+    """The call's signature, or the check's ValueError when an argument is not even a tensor."""
+    try:
+        return _signature(*args[:9])
+    except (AttributeError, TypeError, IndexError):
+        check_inputs(*args)
+        raise
+
+
+_PLANS: collections.OrderedDict = collections.OrderedDict()
+#: how many plans the unplanned path keeps (a serving loop has a handful of shapes per step)
+PLAN_CACHE_SIZE = 64
+
+
+def _cached_plan(sig, impl, args) -> Plan:
+    key = (sig, impl)
+    try:
+        found = _PLANS.get(key)
+    except TypeError:                     # an unhashable argument (a softmax_scale list, say)
+        check_inputs(*args, impl)
+        raise
+    if found is None:
+        found = _make_plan(sig, *args, impl, None, None, own_workspace=False)
+        _PLANS[key] = found
+        if len(_PLANS) > PLAN_CACHE_SIZE:
+            _PLANS.popitem(last=False)
+    return found
+
+
+def _mismatch(plan_: Plan, sig: tuple):
+    """The ValueError for a call that does not match its plan, naming the first argument that
+    differs."""
+    for arg, want, got in zip(_SIGNATURE_ARGS, plan_.signature, sig):
+        if want != got:
+            fail(arg, f"does not match the plan: the plan was made for {want!r}, the call has {got!r} "
+                      "(make a plan for these arguments with mla.plan)")
+
+
+def _check_output(t, arg, shape, dtype, device):
+    """The ValueError for an ``out`` or ``lse`` buffer that does not fit the call."""
+    if not isinstance(t, torch.Tensor):
+        fail(arg, f"expected a torch.Tensor, got {type(t).__name__}")
+    fail(arg, f"expected a contiguous {dtype} tensor of shape {tuple(shape)} on {device}, got "
+              f"{t.dtype} {tuple(t.shape)} on {t.device}" + ("" if t.is_contiguous() else ", not contiguous"))
 
 
 def sparse_decode(q, k_cache, indices, *, softmax_scale=None, attn_sink=None, topk_length=None,
-                  extra_k_cache=None, extra_indices=None, extra_topk_length=None, impl="auto"):
+                  extra_k_cache=None, extra_indices=None, extra_topk_length=None, impl="auto", plan=None,
+                  out=None, lse=None):
     """Sparse MLA decode over the MODEL1 FP8 paged cache (FlashMLA's semantics).
 
     Args:
@@ -145,30 +264,123 @@ def sparse_decode(q, k_cache, indices, *, softmax_scale=None, attn_sink=None, to
         topk_length: ``[b]`` int32; positions ``>= topk_length[b]`` are invalid.
         extra_k_cache, extra_indices, extra_topk_length: a second cache (its own P) that
             shares the softmax.
-        impl: ``"auto"``, ``"mma"``, ``"simt"`` or ``"reference"``.
+        impl: ``"auto"``, ``"mma"`` (the tensor-core kernels: :mod:`mla.dispatch` picks the
+            ``tl.dot`` or the Gluon one), ``"simt"`` or ``"reference"``.
+        plan: a :class:`Plan` from :func:`mla.plan` for arguments of these shapes (a ValueError
+            names the first that does not match); without one, a cached plan is used.
+        out, lse: written in place when given (contiguous, of the shapes below).
 
     Returns:
         ``out`` ``[b, s_q, h_q, 512]`` bf16 and ``lse`` ``[b, h_q, s_q]`` fp32 (natural log,
         without the sink; ``+inf`` for a query with no valid token, whose ``out`` is 0).
+
+    Under ``torch.compile`` the call is the custom op ``torch.ops.mla.sparse_decode`` (a plan,
+    if given, is not used there: the op plans for itself).
     """
-    check_inputs(q, k_cache, indices, softmax_scale, attn_sink, topk_length,
-                 extra_k_cache, extra_indices, extra_topk_length, impl)
-    impl = resolve_impl(impl, q.device)
-    args = (q, k_cache, indices, softmax_scale, attn_sink, topk_length,
-            extra_k_cache, extra_indices, extra_topk_length)
-    if impl == "reference":
-        from .reference import sparse_decode_reference
+    if torch.compiler.is_compiling():
+        r_out, r_lse = torch.ops.mla.sparse_decode(q, k_cache, indices, softmax_scale, attn_sink, topk_length,
+                                                   extra_k_cache, extra_indices, extra_topk_length, impl)
+        if out is not None:
+            out.copy_(r_out)
+            r_out = out
+        if lse is not None:
+            lse.copy_(r_lse)
+            r_lse = lse
+        return r_out, r_lse
+    try:
+        sig = _signature(q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
+                         extra_topk_length)
+    except (AttributeError, TypeError, IndexError):
+        check_inputs(q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
+                     extra_topk_length, impl)
+        raise
+    if plan is None:
+        if impl not in IMPLS:
+            fail("impl", f"expected one of {IMPLS}, got {impl!r}")
+        plan = _cached_plan(sig, impl, (q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache,
+                                        extra_indices, extra_topk_length))
+    else:
+        if not isinstance(plan, Plan):
+            fail("plan", f"expected an mla.Plan (from mla.plan), got {type(plan).__name__}")
+        if sig != plan.signature:
+            _mismatch(plan, sig)
+        if impl != "auto" and impl != plan.impl:
+            fail("impl", f"the plan is for impl={plan.impl!r}, the call asks for {impl!r}")
+    q_shape, _, dev = sig[0]
+    b, s_q, h_q, _ = q_shape
+    if out is None:
+        out = torch.empty(b, s_q, h_q, D_QK, dtype=torch.bfloat16, device=dev)
+    elif not (isinstance(out, torch.Tensor) and out.shape == q_shape and out.dtype == torch.bfloat16
+              and out.device == dev and out.is_contiguous()):
+        _check_output(out, "out", q_shape, torch.bfloat16, dev)
+    if lse is None:
+        lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=dev)
+    elif not (isinstance(lse, torch.Tensor) and lse.shape == (b, h_q, s_q) and lse.dtype == torch.float32
+              and lse.device == dev and lse.is_contiguous()):
+        _check_output(lse, "lse", (b, h_q, s_q), torch.float32, dev)
+    if plan.impl == "mma":
+        launcher = plan.launcher
+        if launcher.launch.align and (k_cache.data_ptr() % 16 or (extra_k_cache is not None
+                                                                   and extra_k_cache.data_ptr() % 16)):
+            fail("k_cache" if k_cache.data_ptr() % 16 else "extra_k_cache",
+                 "its address is not a multiple of 16 bytes, which the plan's Gluon kernel copies need: make a "
+                 "new plan for it")
+        launcher(q, k_cache, indices, attn_sink, topk_length, extra_k_cache, extra_indices, extra_topk_length, out,
+                 lse, *plan.workspace)
+    else:
+        args = (q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
+                extra_topk_length)
+        if plan.impl == "simt":
+            dispatch.run_simt(*args, out, lse)
+            return out, lse
+        ref_out, ref_lse = sparse_decode_reference(*args, dtype=torch.float32)
+        out.copy_(ref_out)
+        lse.copy_(ref_lse)
+    return out, lse
 
-        return sparse_decode_reference(*args, dtype=torch.float32)
-    if not _available(impl):
-        raise NotImplementedError(f"impl={impl!r} is not implemented yet; available: "
-                                  f"{['reference', *_kernels_available()]}")
-    from . import kernels
 
-    return kernels.AVAILABLE[impl](*args)
+def write_kv(kv, k_cache, slot_mapping) -> None:
+    """Quantize new latent rows into their slots of a MODEL1 cache, in place.
+
+    Args:
+        kv: ``[N, 512]`` (or ``[N, 1, 512]``) bf16: the new tokens' latents.
+        k_cache: ``[num_blocks, P, 1, 584]`` float8_e4m3fn (or uint8) MODEL1 cache, any page
+            stride (a view into a larger pool works).
+        slot_mapping: ``[N]`` int32 or int64: row ``i`` goes to token ``block * P + offset =
+            slot_mapping[i]``. A slot below 0, or at or past ``num_blocks * P``, is skipped:
+            nothing is written for it (no host sync, so it cannot raise).
+
+    Each written token's 576-byte data row and 8-byte scale row are the bytes
+    :func:`mla.quantize_kv` writes for the same values; no other byte of the cache changes. The
+    values must be finite, as for ``quantize_kv``. Capturable in a CUDA graph. Under
+    ``torch.compile`` it is the custom op ``torch.ops.mla.write_kv``.
+    """
+    if torch.compiler.is_compiling():
+        torch.ops.mla.write_kv(kv, k_cache, slot_mapping)
+        return
+    if not isinstance(kv, torch.Tensor):
+        fail("kv", f"expected a torch.Tensor, got {type(kv).__name__}")
+    if kv.dtype != torch.bfloat16:
+        fail("kv", f"expected dtype torch.bfloat16, got {kv.dtype}")
+    if kv.dim() == 3 and kv.shape[1] == 1:
+        kv = kv[:, 0]
+    if kv.dim() != 2 or kv.shape[1] != D_QK:
+        fail("kv", f"expected shape [N, {D_QK}] (or [N, 1, {D_QK}]), got {tuple(kv.shape)}")
+    check_cache(k_cache, "k_cache")
+    if not isinstance(slot_mapping, torch.Tensor):
+        fail("slot_mapping", f"expected a torch.Tensor, got {type(slot_mapping).__name__}")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        fail("slot_mapping", f"expected dtype torch.int32 or torch.int64, got {slot_mapping.dtype}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != kv.shape[0]:
+        fail("slot_mapping", f"expected shape [N] = [{kv.shape[0]}], got {tuple(slot_mapping.shape)}")
+    for arg, t in (("k_cache", k_cache), ("slot_mapping", slot_mapping)):
+        if t.device != kv.device:
+            fail(arg, f"device mismatch: on {t.device}, kv is on {kv.device}")
+    if kv.stride(1) != 1:
+        kv = kv.contiguous()
+    writer.write_kv(kv, k_cache.view(torch.uint8), k_cache.stride(0), k_cache.shape[1], k_cache.shape[0],
+                    slot_mapping.contiguous())
 
 
-def _kernels_available():
-    from . import kernels
-
-    return list(kernels.AVAILABLE)
+__all__ = ["IMPLS", "MAX_HEADS", "Plan", "TOKEN_BYTES", "check_cache", "check_inputs", "plan", "resolve_impl",
+           "sparse_decode", "write_kv"]

@@ -1,13 +1,19 @@
-"""Benchmark protocol of the SPEC: ceilings, shapes, CUDA-graph and eager timing, JSON records.
+"""Benchmark protocol of the contract: ceilings, shapes, CUDA-graph and eager timing, JSON records.
 
-``python -m mla.bench`` runs the SPEC's shapes for each impl on the GPU it finds, prints a table
-and writes ``results/<gpu-slug>/<name>.json`` (``results/h200/bench.json`` on an H200). It refuses
-to run under Triton's CPU interpreter: an interpreter timing means nothing.
+``python -m mla.bench`` runs the contract's shapes for each impl on the GPU it finds, prints a
+table and writes ``results/<gpu-slug>/<name>.json`` (``results/h200/bench.json`` on an H200). It
+refuses to run under Triton's CPU interpreter: an interpreter timing means nothing. Impls:
+``mma`` (with a plan made once per shape), ``simt``, ``reference`` and, where its extension
+imports, ``flashmla`` (DeepSeek's FlashMLA, timed in the same run under the same protocol).
 ``python -m mla.bench --compare A.json B.json`` compares two such files (no GPU needed): the ratio
 of CUDA-graph times, B over A, per shape, batch and impl.
+``python -m mla.bench --host`` measures the Python a call costs before its launches (on any
+machine: the launches are stubbed), with a plan and without one.
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import datetime
 import functools
 import io
@@ -19,11 +25,20 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
+import triton
 
-from .layout import D_QK, TOKEN_BYTES, page_stride
+from . import api, configs, dispatch
+from .kernels import combine, tl_dot
+from .layout import D_QK, TOKEN_BYTES, empty_cache, page_stride, quantize_kv, token_bytes
+
+try:                     # DeepSeek's FlashMLA, where its extension is built (impl "flashmla")
+    import flash_mla
+except ImportError:      # also its extension missing or built for another torch
+    flash_mla = None
 
 
 @dataclass(frozen=True)
@@ -89,8 +104,6 @@ def flops(s: Shape) -> int:
 def random_cache(num_blocks: int, page: int, device, generator=None, chunk_tokens: int = 1 << 20) -> torch.Tensor:
     """A MODEL1 cache holding :func:`mla.quantize_kv` of N(0, 1) latents, as FlashMLA's tests use,
     quantized in chunks so that multi-GB pools fit in memory."""
-    from .layout import empty_cache, quantize_kv
-
     cache = empty_cache(num_blocks, page, device=device, fill=0)
     ps = page_stride(page)
     flat = torch.as_strided(cache.view(torch.uint8), (num_blocks, ps), (cache.stride(0), 1))
@@ -137,48 +150,99 @@ class Case:
     def call(self, fn, i: int = 0):
         return fn(self.q, self.cache, self.index_sets[i], **self.kwargs(i))
 
+    def caller(self, impl: str):
+        """``f(i)``: one call of ``impl`` on index set ``i``. ``mma`` uses one plan made here (as
+        a serving step would); ``mma-unplanned`` the call without one; ``tl_dot`` the portable
+        ``tl.dot`` kernel forced, with the shipped config and small-grid rule (what runs off
+        Hopper); ``flashmla`` FlashMLA's own call, its metadata object made here and filled by its
+        first call."""
+        if impl in ("mma", "tl_dot"):
+            cfg = None
+            if impl == "tl_dot":
+                s, dev = self.shape, self.q.device
+                cfg = dispatch.fill_small_grid(dispatch.tl_dot_config(dev, s.h_q), s.b, s.s_q, s.h_q, s.topk_total,
+                                               dispatch.sm_count(dev))
+            plan = api.plan(self.q, self.cache, self.index_sets[0], **self.kwargs(0), config=cfg)
 
-def time_graph(case: Case, fn, replays: int = 20) -> float:
-    """Median us per call of a CUDA graph holding one call per index set, replayed."""
+            def call(i):
+                return api.sparse_decode(self.q, self.cache, self.index_sets[i], **self.kwargs(i), plan=plan)
+            call.plan = plan            # for the record: which kernel, form and split count
+            return call
+        if impl == "mma-unplanned":
+            return lambda i: api.sparse_decode(self.q, self.cache, self.index_sets[i], **self.kwargs(i))
+        if impl == "flashmla":
+            if flash_mla is None:
+                raise RuntimeError("impl 'flashmla': the flash_mla extension does not import here")
+            meta, _ = flash_mla.get_mla_metadata()
+            return lambda i: flash_mla.flash_mla_with_kvcache(
+                self.q, self.cache, None, None, D_QK, meta, is_fp8_kvcache=True, indices=self.index_sets[i],
+                attn_sink=self.sink, extra_k_cache=self.extra, extra_indices_in_kvcache=self.extra_sets[i])
+        return lambda i: api.sparse_decode(self.q, self.cache, self.index_sets[i], **self.kwargs(i), impl=impl)
+
+
+def time_graph(case: Case, call, replays: int = 20) -> float:
+    """Median us per call of a CUDA graph holding one ``call(i)`` per index set, replayed."""
     n = len(case.index_sets)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for i in range(n):          # warm-up: compile and allocate outside the capture
-            case.call(fn, i)
+            call(i)
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for i in range(n):
-            case.call(fn, i)
+            call(i)
     g.replay()
     torch.cuda.synchronize()
+    us = replay_us(g, n, replays)
+    del g
+    return us
+
+
+def replay_us(graph, calls: int, replays: int) -> float:
+    """Median us per call over ``replays`` replays of a CUDA graph that holds ``calls`` calls."""
     times = []
     for _ in range(replays):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        g.replay()
+        graph.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / n)
-    del g
+        times.append(a.elapsed_time(b) * 1e3 / calls)
     return statistics.median(times)
 
 
-def time_eager(case: Case, fn) -> float:
-    """triton.testing.do_bench median, us, one index set after another."""
-    import triton
-
+def time_do_bench(case: Case, call) -> float:
+    """``triton.testing.do_bench``'s median, us, one index set after another. do_bench flushes
+    the L2 before each call and times each call alone, so the host's work hides behind the flush:
+    this is the GPU time of a call outside a graph, not what an eager loop pays (:func:`time_eager_loop`)."""
     it = iter(range(10 ** 9))
-    return triton.testing.do_bench(lambda: case.call(fn, next(it) % len(case.index_sets)),
+    return triton.testing.do_bench(lambda: call(next(it) % len(case.index_sets)),
                                    warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def time_eager_loop(case: Case, call, calls: int = 200, reps: int = 3) -> float:
+    """The wall time per call, us, of ``calls`` back-to-back eager calls with no synchronization
+    between them (one index set after another), median of ``reps``: what a serving loop that does
+    not capture graphs pays, host work included."""
+    n = len(case.index_sets)
+    for i in range(n):
+        call(i)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for i in range(calls):
+            call(i % n)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(times)
 
 
 def ceilings(device="cuda") -> dict:
     """Measured on this card: device-to-device copy (bytes read + written) and bf16 matmul."""
-    import triton
-
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"device: the ceilings are measured on a CUDA device, got {device}")
@@ -214,8 +278,6 @@ def gpu_slug(name: str) -> str:
 
 
 def provenance(ceil: dict) -> dict:
-    import triton
-
     props = torch.cuda.get_device_properties(0)
     try:
         drv = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -225,7 +287,15 @@ def provenance(ceil: dict) -> dict:
     return {"gpu": props.name, "sm_count": props.multi_processor_count, "driver": drv,
             "torch": torch.__version__, "triton": triton.__version__, "commit": code_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
-            "ceilings": ceil, "mma_configs": _config_source()}
+            "ceilings": ceil, "mma_configs": _config_source(),
+            **({"flashmla": flashmla_provenance()} if flash_mla is not None else {})}
+
+
+def flashmla_provenance() -> dict:
+    """Which FlashMLA ran: its version string (it carries the commit it was built from) and where
+    it was imported from."""
+    return {"version": getattr(flash_mla, "__version__", "unknown"), "path": os.path.dirname(flash_mla.__file__),
+            "commit": os.environ.get("FLASHMLA_COMMIT", "unknown"), "flags": os.environ.get("FLASHMLA_FLAGS", "")}
 
 
 def code_commit(cwd=None) -> str:
@@ -245,25 +315,33 @@ def code_commit(cwd=None) -> str:
 
 
 def _config_source() -> str:
-    from . import configs
-
     try:
         return configs.source()
     except Exception:  # noqa: BLE001
         return "unknown"
 
 
-def record(s: Shape, impl: str, us_graph: float, us_eager: float | None, ceil: dict) -> dict:
+def record(s: Shape, impl: str, us_graph: float, us_do_bench: float | None, ceil: dict,
+           us_eager_loop: float | None = None) -> dict:
+    """One record: the CUDA-graph time per call, the eager figures (``us_do_bench``: the GPU time
+    of a call alone; ``us_eager_loop``: a back-to-back loop's wall time per call), and the rates."""
     t = us_graph * 1e-6
     floor = max(traffic_bytes(s) / (ceil["copy_gbps"] * 1e9), flops(s) / (ceil["matmul_tflops"] * 1e12))
+
+    def us(x):
+        return None if x is None else round(x, 2)
+
     return {"shape": s.name, "b": s.b, "s_q": s.s_q, "h_q": s.h_q, "topk": s.topk, "extra_topk": s.extra_topk,
             "page": s.page, "extra_page": s.extra_page if s.extra_topk else None, "impl": impl,
-            "us_graph": round(us_graph, 2), "us_eager": None if us_eager is None else round(us_eager, 2),
+            "us_graph": round(us_graph, 2), "us_do_bench": us(us_do_bench), "us_eager_loop": us(us_eager_loop),
             "tflops": round(flops(s) / t / 1e12, 2), "gbps": round(traffic_bytes(s) / t / 1e9, 1),
             "roofline": round(floor / t, 4)}
 
 
-IMPL_NAMES = ("mma", "simt", "reference")
+IMPL_NAMES = ("mma", "tl_dot", "simt", "reference", "flashmla")
+#: what each impl stands for in the records: FlashMLA needs 64 or 128 heads, so at V4-TP8 (8
+#: heads) a server pads to 64 and pays the V4-CSA time, which stands for FlashMLA there
+FLASHMLA_HEADS = (64, 128)
 
 #: The tolerance a rerun is judged by in :func:`compare`: |ratio - 1| <= SPREAD counts as "the same".
 #: In the H200 record, the same kernel and config timed twice in one run (run r4: the config sweep,
@@ -288,27 +366,37 @@ def _progress_bar(total: int, enabled: bool):
     return tqdm(total=total, disable=not enabled, desc="mla.bench", unit="case")
 
 
-def run(shapes=None, impls=IMPL_NAMES, out_dir="results", name="bench", pool_bytes=2e9, n_sets=16,
+def available_impls() -> tuple:
+    """The impls this machine can time: FlashMLA's only where its extension imports."""
+    return tuple(i for i in IMPL_NAMES if i != "flashmla" or flash_mla is not None)
+
+
+def run(shapes=None, impls=None, out_dir="results", name="bench", pool_bytes=2e9, n_sets=16,
         eager=True, progress=True, repeat=1) -> dict:
     """Run the protocol on this GPU and write ``<out_dir>/<gpu-slug>/<name>.json``.
 
-    Per shape one :class:`Case` (a pool of ``pool_bytes`` per cache, ``n_sets`` index sets), then per
-    impl the CUDA-graph median per call (:func:`time_graph`) and, for ``mma``, the eager
-    ``do_bench`` median (:func:`time_eager`). With ``repeat`` > 1 the graph is built and timed that
-    many times; ``us_graph`` is the median and ``us_graph_runs`` lists them all.
-    Returns the file's content plus ``path`` and, when a file was there before, ``previous`` (what
-    it held: :func:`compare` it with the new one).
+    Per shape one :class:`Case` (a pool of ``pool_bytes`` per cache, ``n_sets`` index sets), then
+    ``repeat`` rounds over the impls, one after another on the same inputs, of the CUDA-graph
+    median per call (:func:`time_graph`): ``us_graph`` is the median of the rounds and
+    ``us_graph_runs`` lists them. For ``mma`` and ``flashmla`` also the eager figures
+    (:func:`time_do_bench`, :func:`time_eager_loop`; ``mma`` with its plan, and without one as
+    ``us_eager_loop_unplanned``). ``flashmla`` runs where h_q is 64 or 128 only. Returns the
+    file's content plus ``path`` and, when a file was there before, ``previous`` (what it held:
+    :func:`compare` it with the new one).
     """
-    import mla  # turns the interpreter on where there is no GPU
-
     if _interpreting():
         raise RuntimeError(_refusal())
     if not torch.cuda.is_available():
         raise RuntimeError("mla.bench: no CUDA GPU found")
     shapes = list(spec_shapes() if shapes is None else shapes)
-    impls = tuple(impls)
+    impls = tuple(available_impls() if impls is None else impls)
     if not shapes or not impls:
         raise ValueError("mla.bench.run: nothing to time (no shapes or no impls)")
+    unknown = set(impls) - set(IMPL_NAMES)
+    if unknown:
+        raise ValueError(f"impls: unknown {sorted(unknown)}; known: {IMPL_NAMES}")
+    if "flashmla" in impls and flash_mla is None:
+        raise RuntimeError("impl 'flashmla': the flash_mla extension does not import here")
 
     dev = torch.device("cuda")
     ceil = ceilings(dev)
@@ -317,22 +405,28 @@ def run(shapes=None, impls=IMPL_NAMES, out_dir="results", name="bench", pool_byt
     for s in shapes:
         bar.set_postfix_str(f"{s.name} b={s.b}: building the {pool_bytes / 1e9:g} GB pool")
         case = Case(s, dev, pool_bytes=pool_bytes, n_sets=n_sets)
-        for impl in impls:
-            bar.set_postfix_str(f"{s.name} b={s.b} {impl}")
-            fn = lambda *a, _i=impl, **k: mla.sparse_decode(*a, **k, impl=_i)  # noqa: E731
-            slow = impl != "mma"
-            runs = [time_graph(case, fn, replays=5 if slow else 20) for _ in range(max(1, repeat))]
-            us_e = time_eager(case, fn) if eager and not slow else None
-            rec = record(s, impl, statistics.median(runs), us_e, ceil)
-            if impl == "mma":             # which kernel the launch rule picked for this shape
-                from .kernels.mma import launch_config
-
-                rec["kernel"] = launch_config(s.b, s.s_q, s.h_q, s.topk + s.extra_topk, dev).kernel
-            if len(runs) > 1:
-                rec["us_graph_runs"] = [round(x, 2) for x in runs]
+        here = [i for i in impls if i != "flashmla" or s.h_q in FLASHMLA_HEADS]
+        calls = {i: case.caller(i) for i in here}
+        runs = {i: [] for i in here}
+        for _ in range(max(1, repeat)):          # the impls alternate, round after round
+            for i in here:
+                runs[i].append(time_graph(case, calls[i], replays=20 if i in ("mma", "tl_dot", "flashmla") else 5))
+        for i in here:
+            fast = i in ("mma", "flashmla")
+            rec = record(s, i, statistics.median(runs[i]), time_do_bench(case, calls[i]) if eager and fast else None,
+                         ceil, time_eager_loop(case, calls[i]) if eager and fast else None)
+            plan = getattr(calls[i], "plan", None)
+            if plan is not None:                               # which kernel and form ran, and the splits
+                rec["kernel"] = plan.launch.config.label
+                rec["splits"] = plan.launch.splits
+            if i == "mma" and eager:
+                rec["us_eager_loop_unplanned"] = round(time_eager_loop(case, case.caller("mma-unplanned")), 2)
+            if len(runs[i]) > 1:
+                rec["us_graph_runs"] = [round(x, 2) for x in runs[i]]
             records.append(rec)
             bar.update(1)
-        del case
+        bar.update(len(impls) - len(here))
+        del case, calls
         torch.cuda.empty_cache()
     bar.close()
     result = {"provenance": provenance(ceil), "records": records}
@@ -351,6 +445,76 @@ def run(shapes=None, impls=IMPL_NAMES, out_dir="results", name="bench", pool_byt
     return result
 
 
+# --------------------------------------------------------------------------------------------
+# The host's share of a call: Python before the launches, with the launches stubbed
+# --------------------------------------------------------------------------------------------
+
+
+class _NoLaunch:
+    """Stands for a kernel: ``kernel[grid](...)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@contextlib.contextmanager
+def _stubbed_launches(h200: bool):
+    """Every kernel launch of ``mla`` a no-op for the block; with ``h200`` the launch rule plans
+    as on an H200 (132 SMs, the shipped table, the Gluon kernel), on whatever device the tensors
+    are."""
+    saved = [(tl_dot, "tl_dot_decode_kernel"), (combine, "combine_kernel")]
+    if dispatch.gluon_sm90 is not None:
+        saved.append((dispatch.gluon_sm90.kernel, "gluon_decode_kernel"))
+    saved = [(m, n, getattr(m, n)) for m, n in saved]
+    facts = dispatch._facts
+    try:
+        for m, n, _ in saved:
+            setattr(m, n, _NoLaunch())
+        if h200:
+            table = configs.table_for("NVIDIA H200", "3.6", 90)[1]
+            dispatch._facts = lambda device: (132, table, dispatch.gluon_sm90 is not None, True)
+        yield
+    finally:
+        for m, n, k in saved:
+            setattr(m, n, k)
+        dispatch._facts = facts
+
+
+def host_cost(shapes=None, calls: int = 2000, reps: int = 5, h200: bool = True, device="cpu") -> list[dict]:
+    """Microseconds of Python per call before its launches, median of ``reps`` loops of ``calls``
+    calls, with a plan and without one, at each shape (one-block caches: the host's work depends
+    on the shapes only). The kernel launches are stubbed; with ``h200`` the launch rule plans as
+    on an H200 whatever the device."""
+    rows = []
+    dev = torch.device(device)
+    for s in spec_shapes() if shapes is None else shapes:
+        q = torch.zeros(s.b, s.s_q, s.h_q, D_QK, dtype=torch.bfloat16, device=dev)
+        kw = dict(attn_sink=torch.zeros(s.h_q, device=dev))
+        cache = quantize_kv(torch.zeros(1, s.page, D_QK, dtype=torch.bfloat16, device=dev))
+        idx = torch.zeros(s.b, s.s_q, s.topk, dtype=torch.int32, device=dev)
+        if s.extra_topk:
+            kw.update(extra_k_cache=quantize_kv(torch.zeros(1, s.extra_page, D_QK, dtype=torch.bfloat16, device=dev)),
+                      extra_indices=torch.zeros(s.b, s.s_q, s.extra_topk, dtype=torch.int32, device=dev))
+        out = torch.empty_like(q)
+        lse = torch.empty(s.b, s.h_q, s.s_q, device=dev)
+        with _stubbed_launches(h200):
+            plan = api.plan(q, cache, idx, **kw, impl="mma")
+            variants = {"with a plan": lambda: api.sparse_decode(q, cache, idx, **kw, plan=plan, out=out, lse=lse),
+                        "without a plan": lambda: api.sparse_decode(q, cache, idx, **kw, impl="mma")}
+            row = {"shape": s.name, "b": s.b, "launch": f"{plan.launch.config.label}, {plan.launch.splits} split(s)"}
+            for what, f in variants.items():
+                f()
+                times = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    for _ in range(calls):
+                        f()
+                    times.append((time.perf_counter() - t0) / calls * 1e6)
+                row[f"us {what}"] = round(statistics.median(times), 2)
+        rows.append(row)
+    return rows
+
+
 def _console(width: int):
     """A rich console that only records plain text (in a notebook too, where rich would otherwise
     display the table itself)."""
@@ -360,20 +524,35 @@ def _console(width: int):
                    color_system=None)
 
 
+def flashmla_us(records) -> dict:
+    """FlashMLA's CUDA-graph time per (shape, b) in these records; at V4-TP8 its padded time,
+    the V4-CSA one (FlashMLA needs 64 heads)."""
+    got = {(r["shape"], r["b"]): r["us_graph"] for r in records if r["impl"] == "flashmla"}
+    for (name, b), us in list(got.items()):
+        if name == "V4-CSA":
+            got.setdefault(("V4-TP8", b), us)
+    return got
+
+
 def table(records, title="sparse decode, us per call (CUDA graph)") -> str:
-    """A plain-text table of records (rich draws it), with FlashMLA's H200 time from the SPEC."""
+    """A plain-text table of records (rich draws it), with FlashMLA's time from the same run when
+    the records hold it (else the contract's H200 number, measured elsewhere) and the ratio."""
     from rich.table import Table
 
+    same_run = flashmla_us(records)
+    fm_all = same_run or FLASHMLA_H200_US
     t = Table(title=title)
-    for col in ("shape", "b", "s_q", "h_q", "impl", "us_graph", "us_eager", "TFLOP/s", "GB/s", "roofline",
-                "FlashMLA H200 us (SPEC)"):
+    for col in ("shape", "b", "s_q", "h_q", "impl", "us_graph", "us_eager_loop", "TFLOP/s", "GB/s", "roofline",
+                "FlashMLA us" + (" (this run)" if same_run else " (contract)"), "/ FlashMLA"):
         t.add_column(col, justify="right")
     for r in records:
-        fm = FLASHMLA_H200_US.get((r["shape"], r["b"]))
+        fm = fm_all.get((r["shape"], r["b"]))
+        loop = r.get("us_eager_loop")
         t.add_row(r["shape"], str(r["b"]), str(r["s_q"]), str(r["h_q"]), r["impl"], f"{r['us_graph']:.1f}",
-                  "-" if r.get("us_eager") is None else f"{r['us_eager']:.1f}", f"{r['tflops']:.1f}",
-                  f"{r['gbps']:.0f}", f"{r['roofline']:.2f}", "-" if fm is None else f"{fm}")
-    con = _console(160)   # export only: the caller prints
+                  "-" if loop is None else f"{loop:.1f}", f"{r['tflops']:.1f}", f"{r['gbps']:.0f}",
+                  f"{r['roofline']:.2f}", "-" if fm is None else f"{fm:.1f}",
+                  "-" if fm is None else f"{r['us_graph'] / fm:.2f}")
+    con = _console(170)   # export only: the caller prints
     con.print(t)
     return con.export_text()
 
@@ -436,12 +615,134 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
 
 
-def main(argv=None) -> int:
-    import argparse
+def writer_bandwidth(rows=(64, 8192), pool_blocks: int = 4096, page: int = 64, reps: int = 50) -> list[dict]:
+    """The cache writer on this GPU: for each number of rows, checks the bytes it writes against
+    :func:`mla.quantize_kv` of the same rows, then times it (CUDA graph of ``reps`` calls over
+    random slots of a pool, median of 5 replays) beside a plain copy of the same bytes (the rows
+    read, their 584-byte tokens written, as one contiguous ``copy_``)."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    cache = empty_cache(pool_blocks, page, device=dev, fill=0)
+    out = []
+    for n in rows:
+        kv = torch.randn(n, D_QK, device=dev, generator=g).bfloat16()
+        slots = torch.randperm(pool_blocks * page, device=dev, generator=g)[:n]
+        api.write_kv(kv, cache, slots)
+        got = token_bytes(cache, slots)
+        want = token_bytes(quantize_kv(kv.view(n, 1, D_QK)), torch.arange(n, device=dev))
+        src = torch.empty(n * (2 * D_QK + TOKEN_BYTES), dtype=torch.uint8, device=dev)
+        dst = torch.empty_like(src)
 
+        def timed(fn):
+            fn()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(reps):
+                    fn()
+            return replay_us(graph, reps, 5)
+
+        us = timed(lambda: api.write_kv(kv, cache, slots))
+        us_copy = timed(lambda: dst.copy_(src))
+        moved = n * (2 * D_QK + TOKEN_BYTES)
+        out.append({"rows": n, "bytes_ok": bool(torch.equal(got, want)), "us": round(us, 2),
+                    "gbps": round(moved / us / 1e3, 1), "us_copy": round(us_copy, 2),
+                    "gbps_copy": round(moved / us_copy / 1e3, 1)})
+    return out
+
+
+def predicted_variants(shape_names=None, batches=range(1, 257), h200: bool = True) -> dict:
+    """{shape name: the decode-kernel variants (config label, split or not) that a sweep of
+    ``batches`` launches}, from the launch rule alone (as on an H200 with ``h200``). Each is one
+    compile (the split count is not specialised on; the caches' strides and sizes are fixed per
+    serving pool), plus one of the combine when any is split."""
+    names = shape_names or sorted({s.name for s in spec_shapes() if s.s_q == 1})
+    if h200:
+        table = configs.table_for("NVIDIA H200", "3.6", 90)[1]
+        facts = (132, table, dispatch.gluon_sm90 is not None)
+    out = {}
+    for name in names:
+        s0 = next(s for s in spec_shapes() if s.name == name)
+        seen = set()
+        for b in batches:
+            if h200:
+                cfg, splits = dispatch.decide(facts[1], facts[2], facts[0], b, s0.s_q, s0.h_q, s0.topk_total, 16)
+            else:
+                launch = dispatch.plan_launch(torch.device("cuda"), b, s0.s_q, s0.h_q, s0.topk, s0.extra_topk, 16)
+                cfg, splits = launch.config, launch.splits
+            seen.add((cfg.label, splits > 1))
+        out[name] = sorted(seen)
+    return out
+
+
+def count_compiles(shape_names=None, batches=range(1, 257), pool_bytes=2e8) -> dict:
+    """{shape name: kernels Triton compiled} over a sweep of ``batches`` (one call each, a plan
+    made per batch size as a serving loop's graph warm-up would), measured from the kernels'
+    caches on this GPU."""
+    kernels = [tl_dot.tl_dot_decode_kernel, combine.combine_kernel]
+    if dispatch.gluon_sm90 is not None:
+        kernels.append(dispatch.gluon_sm90.gluon_decode_kernel)
+
+    def compiled():
+        n = 0
+        for k in kernels:
+            for cache in getattr(k, "device_caches", {}).values():
+                n += len(cache[0])
+        return n
+
+    dev = torch.device("cuda")
+    out = {}
+    for name in shape_names or sorted({s.name for s in spec_shapes() if s.s_q == 1}):
+        s0 = next(s for s in spec_shapes() if s.name == name)
+        case = Case(Shape(name, max(batches), 1, s0.h_q, s0.topk, s0.page, s0.extra_topk, s0.extra_page), dev,
+                    pool_bytes=pool_bytes, n_sets=1)
+        before = compiled()
+        for b in batches:
+            kw = {k: (v[:b] if k == "extra_indices" else v) for k, v in case.kwargs(0).items()}
+            api.sparse_decode(case.q[:b], case.cache, case.index_sets[0][:b], **kw)
+        torch.cuda.synchronize()
+        out[name] = compiled() - before
+        del case
+    return out
+
+
+def serving_record(out_dir="results", name="serving") -> dict:
+    """The serving figures on this GPU, written to ``<out_dir>/<gpu-slug>/<name>.json`` with
+    their provenance: the writer's correctness and bandwidth against a plain copy
+    (:func:`writer_bandwidth`), the kernels a sweep of b = 1..256 compiles (predicted from the
+    launch rule and measured, :func:`count_compiles`), and the host's Python per call
+    (:func:`host_cost`, the launches stubbed, on this machine's CPU)."""
+    dev = torch.device("cuda")
+    result = {"provenance": provenance(ceilings(dev)), "writer": writer_bandwidth(),
+              "compiles": {"predicted": {k: [list(x) for x in v] for k, v in predicted_variants(h200=False).items()},
+                           "measured": count_compiles()},
+              "host": host_cost(h200=False, device=dev)}
+    path = pathlib.Path(out_dir) / gpu_slug(result["provenance"]["gpu"]) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    result["path"] = str(path)
+    return result
+
+
+def host_table(rows) -> str:
+    """Plain text of :func:`host_cost`'s rows."""
+    from rich.table import Table
+
+    t = Table(title="Python per call before the launches (launches stubbed), us")
+    for col in ("shape", "b", "launch", "with a plan", "without a plan"):
+        t.add_column(col, justify="left" if col in ("shape", "launch") else "right")
+    for r in rows:
+        t.add_row(r["shape"], str(r["b"]), r["launch"], f"{r['us with a plan']:.1f}", f"{r['us without a plan']:.1f}")
+    con = _console(120)
+    con.print(t)
+    return con.export_text()
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mla.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--impl", action="append", choices=IMPL_NAMES, help="impls to time (default: all)")
+    ap.add_argument("--impl", action="append", choices=IMPL_NAMES,
+                    help="impls to time (default: every one this machine has; flashmla where it imports)")
     ap.add_argument("--shape", action="append",
                     help="only SPEC shapes with this name: DSA, 'DSA s_q 2', V4-CSA, V4-TP8 (repeatable)")
     ap.add_argument("--b", action="append", type=int, help="only these batch sizes (repeatable)")
@@ -451,7 +752,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=1,
                     help="time each CUDA graph this many times (a fresh graph each) and keep the median; "
                          "the runs go to us_graph_runs (default 1)")
-    ap.add_argument("--no-eager", action="store_true", help="skip the do_bench eager timing")
+    ap.add_argument("--no-eager", action="store_true",
+                    help="skip the eager timings (us_do_bench and us_eager_loop)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--against", metavar="A.json",
                     help="after the run, compare the new file with this one (default: the file the run "
@@ -460,7 +762,38 @@ def main(argv=None) -> int:
                     help="only compare two result files (B over A) and exit: 0 if every case is within "
                          "--tol, 1 if not; needs no GPU")
     ap.add_argument("--tol", type=float, default=SPREAD, help=f"tolerance of a comparison (default {SPREAD})")
+    ap.add_argument("--serving", action="store_true",
+                    help="only record the serving figures on this GPU (the writer's bandwidth and bytes, the kernels a "
+                         "b = 1..256 sweep compiles, the host's Python per call) to <out>/<gpu-slug>/serving.json")
+    ap.add_argument("--compiles", action="store_true",
+                    help="only count the kernels a sweep of b = 1..256 compiles at each shape: predicted from the launch "
+                         "rule (as on an H200), and measured on this GPU when there is one")
+    ap.add_argument("--host", action="store_true",
+                    help="only measure the Python per call before the launches (launches stubbed, the launch "
+                         "rule planning as on an H200), with a plan and without one; needs no GPU")
     a = ap.parse_args(argv)
+    if a.serving:
+        if _interpreting() or not torch.cuda.is_available():
+            print(_refusal(), file=sys.stderr)
+            return 2
+        res = serving_record(a.out)
+        print(json.dumps({k: res[k] for k in ("writer", "compiles")}, indent=1))
+        print(host_table(res["host"]))
+        print(f"wrote {res['path']}")
+        return 0
+    if a.compiles:
+        for name, variants in predicted_variants(a.shape).items():
+            split = any(sp for _, sp in variants)
+            print(f"{name}: {len(variants)} decode variants{' + the combine' if split else ''} over b = 1..256 "
+                  f"(predicted, as on an H200): " + "; ".join(f"{lab}{', split' if sp else ''}" for lab, sp in variants))
+        if torch.cuda.is_available() and not _interpreting():
+            for name, n in count_compiles(a.shape).items():
+                print(f"{name}: {n} kernels compiled over b = 1..256 on {torch.cuda.get_device_name()} (measured)")
+        return 0
+    if a.host:
+        shapes = [s for s in spec_shapes() if (not a.shape or s.name in a.shape) and (not a.b or s.b in a.b)]
+        print(host_table(host_cost(shapes)))
+        return 0
     if a.compare:
         try:
             rows = compare(*a.compare, tol=a.tol)
@@ -484,7 +817,7 @@ def main(argv=None) -> int:
         print(_refusal(), file=sys.stderr)
         return 2
     try:
-        res = run(shapes, tuple(a.impl or IMPL_NAMES), a.out, a.name, a.pool_gb * 1e9, eager=not a.no_eager,
+        res = run(shapes, tuple(a.impl) if a.impl else None, a.out, a.name, a.pool_gb * 1e9, eager=not a.no_eager,
                   progress=not a.no_progress, repeat=a.repeat)
     except RuntimeError as e:
         print(e, file=sys.stderr)

@@ -40,6 +40,31 @@ AMAX_FLOOR = 1e-4               #: floor of amax/448 before the power-of-two rou
 UE8M0_BIAS = 127
 
 
+def fail(arg: str, msg: str):
+    """Raise the ValueError that names the bad argument, as every check of ``mla`` does."""
+    raise ValueError(f"{arg}: {msg}")
+
+
+def check_cache(k_cache, arg: str = "k_cache") -> None:
+    """Raise ValueError naming ``arg`` unless ``k_cache`` is a MODEL1 cache tensor."""
+    if not isinstance(k_cache, torch.Tensor):
+        fail(arg, f"expected a torch.Tensor, got {type(k_cache).__name__}")
+    if k_cache.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        fail(arg, f"expected dtype torch.float8_e4m3fn or torch.uint8, got {k_cache.dtype}")
+    if k_cache.dim() != 4:
+        fail(arg, f"expected rank 4 [num_blocks, P, 1, {TOKEN_BYTES}], got rank {k_cache.dim()}")
+    nb, p, hk, nbytes = k_cache.shape
+    if hk != 1 or nbytes != TOKEN_BYTES or nb < 1 or p < 1:
+        fail(arg, f"expected shape [num_blocks >= 1, P >= 1, 1, {TOKEN_BYTES}], got {tuple(k_cache.shape)}")
+    if k_cache.stride(3) != 1:
+        fail(arg, f"the last dim must be contiguous (stride 1), got stride {k_cache.stride(3)}")
+    if nb > 1 and k_cache.stride(0) < p * TOKEN_BYTES:
+        fail(arg, f"page stride too small: stride(0) = {k_cache.stride(0)} bytes < P*{TOKEN_BYTES} = {p * TOKEN_BYTES}")
+    n = (nb - 1) * k_cache.stride(0) + p * TOKEN_BYTES
+    if k_cache.storage_offset() + n > k_cache.untyped_storage().nbytes():
+        fail(arg, "the tensor's pages reach past the end of its storage")
+
+
 def page_stride(page_size: int) -> int:
     """Bytes from one page to the next: ``P*584`` rounded up to a multiple of 576."""
     if page_size < 1:
@@ -150,9 +175,9 @@ def cache_bytes(k_cache: torch.Tensor) -> torch.Tensor:
     return torch.as_strided(k_cache.view(torch.uint8), (n,), (1,))
 
 
-def gather_tokens(k_cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Dequantize the tokens ``idx`` (any shape, each in ``[0, num_blocks*P)``) of a cache:
-    returns bf16 ``[*idx.shape, 512]``. Reads only those tokens' bytes."""
+def token_bytes(k_cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The 584 bytes of each token ``idx`` (any shape, each in ``[0, num_blocks*P)``): its data
+    row, then its scale row, as uint8 ``[*idx.shape, 584]``. Reads only those tokens' bytes."""
     flat = cache_bytes(k_cache)
     p, ps = k_cache.shape[1], k_cache.stride(0)
     idx = idx.long()
@@ -160,18 +185,21 @@ def gather_tokens(k_cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     data_at = blk * ps + off * DATA_BYTES
     scale_at = blk * ps + p * DATA_BYTES + off * SCALE_BYTES
     ar = torch.arange(DATA_BYTES, device=idx.device)
-    data = flat[data_at[..., None] + ar]                                    # [..., 576] u8
-    exps = flat[scale_at[..., None] + ar[:N_TILES]]                         # [..., 7] u8
-    nope = data[..., :NOPE_BYTES].view(torch.float8_e4m3fn).float()
-    nope = nope.unflatten(-1, (N_TILES, TILE)) * ue8m0_decode(exps)[..., None]
-    rope = data[..., NOPE_BYTES:].contiguous().view(torch.bfloat16)
+    return torch.cat([flat[data_at[..., None] + ar], flat[scale_at[..., None] + ar[:SCALE_BYTES]]], dim=-1)
+
+
+def gather_tokens(k_cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Dequantize the tokens ``idx`` (any shape, each in ``[0, num_blocks*P)``) of a cache:
+    returns bf16 ``[*idx.shape, 512]``. Reads only those tokens' bytes."""
+    raw = token_bytes(k_cache, idx)
+    nope = raw[..., :NOPE_BYTES].view(torch.float8_e4m3fn).float()
+    nope = nope.unflatten(-1, (N_TILES, TILE)) * ue8m0_decode(raw[..., DATA_BYTES:DATA_BYTES + N_TILES])[..., None]
+    rope = raw[..., NOPE_BYTES:DATA_BYTES].contiguous().view(torch.bfloat16)
     return torch.cat([nope.flatten(-2).to(torch.bfloat16), rope], dim=-1)
 
 
 def dequantize_kv(k_cache: torch.Tensor) -> torch.Tensor:
     """MODEL1 cache -> bf16 ``[num_blocks, P, 512]``. Exact: an FP8 value times a power of two."""
-    from .api import check_cache
-
     check_cache(k_cache, "k_cache")
     nb, p = k_cache.shape[0], k_cache.shape[1]
     tokens = torch.arange(nb * p, device=k_cache.device)

@@ -1,5 +1,5 @@
-"""Autotuning without the pitfalls: the helpers ``mla`` uses, and the small kernels that
-Chapter 4 ("Autotuner pitfalls") demonstrates them with.
+"""Autotuning without the pitfalls: the helpers that the autotuner chapter demonstrates (with
+the small kernels of ``experiments/autotune_demos.py``).
 
 ``@triton.autotune`` returns an ``Autotuner`` object, not a function, and several of its
 behaviours surprise a kernel engineer the first time. What this module does about each:
@@ -35,9 +35,9 @@ import time
 
 import torch
 import triton
-import triton.language as tl
+from triton.runtime.autotuner import Autotuner
 
-from . import _runtime
+from . import _runtime, aot
 
 log = logging.getLogger("mla")
 
@@ -78,8 +78,6 @@ def kernel_name(obj) -> str:
 
 def find_autotuner(obj):
     """The ``Autotuner`` in a stack of wrappers, or None."""
-    from triton.runtime.autotuner import Autotuner
-
     seen = set()
     cur = obj
     while cur is not None and id(cur) not in seen:
@@ -130,14 +128,12 @@ def autotune_configs(configs: list) -> list:
 
 
 def _default_variant(arch: int, cfg) -> dict:
-    """The decode kernel's AOT variant for an :class:`~mla.kernels.mma.MMAConfig` or for a
+    """The decode kernel's AOT variant for a :class:`~mla.configs.TlDotConfig` or for a
     ``triton.Config`` whose kwargs name ``BLOCK_H`` / ``BLOCK_N`` (and optionally the other
-    constexprs of :func:`mla.aot.mma_variant`, lower-cased)."""
-    from . import aot
-
+    arguments of :func:`mla.aot.tl_dot_variant`, lower-cased)."""
     if isinstance(cfg, triton.Config):
         kw = {k.lower(): v for k, v in cfg.kwargs.items()}
-        return aot.mma_variant(arch, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **kw)
+        return aot.tl_dot_variant(arch, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **kw)
     return aot.config_variant(arch, cfg)
 
 
@@ -155,9 +151,7 @@ def shared_memory(configs: list, arch: int | None = None, variant=None) -> list[
     """The AOT compile report (:func:`mla.aot.report`: ``shared`` bytes, ``fits``, registers,
     or ``error``) of each config for ``arch``, one compile per config not seen before in this
     process. ``variant(arch, config)`` builds the compile request; the default compiles
-    ``mma_decode_kernel``."""
-    from . import aot
-
+    ``tl_dot_decode_kernel``."""
     arch = _current_arch() if arch is None else int(arch)
     if arch not in aot.SMEM_LIMIT:
         raise ValueError(f"no shared-memory limit known for sm_{arch}; known: {sorted(aot.SMEM_LIMIT)}")
@@ -177,8 +171,6 @@ def prune_by_shared_memory(configs: list, arch: int | None = None, variant=None)
     """The configs that compile for ``arch`` within its shared memory per block
     (:data:`mla.aot.SMEM_LIMIT`; sm_120: 99 KB), checked by an ahead-of-time compile, so that
     no config that cannot launch is ever benchmarked or shipped. Logs each dropped config."""
-    from . import aot
-
     arch = _current_arch() if arch is None else int(arch)
     kept = []
     for cfg, rep in zip(configs, shared_memory(configs, arch, variant)):
@@ -227,14 +219,8 @@ def default_bench():
     """Triton's benchmarker on a GPU; :func:`interpreter_bench` under the interpreter."""
     if _runtime.INTERPRET:
         return interpreter_bench
-    from triton.runtime import driver
-
-    get = getattr(driver.active, "get_benchmarker", None)
-    if get is not None:
-        return get()
-    from triton.testing import do_bench
-
-    return do_bench
+    get = getattr(triton.runtime.driver.active, "get_benchmarker", None)
+    return get() if get is not None else triton.testing.do_bench
 
 
 class CountingBench:
@@ -275,8 +261,6 @@ def autotune_guard(what: str = "this region"):
     capture synchronizes the device and breaks the capture, or gets captured). Wrap graph capture
     in it after :func:`warmup_keys`. Patches ``Autotuner._bench`` for the duration (every
     autotuner in the process; not thread-safe)."""
-    from triton.runtime.autotuner import Autotuner
-
     original = Autotuner.__dict__["_bench"]
 
     def refuse(self, *args, config, **meta):
@@ -288,87 +272,3 @@ def autotune_guard(what: str = "this region"):
         yield
     finally:
         Autotuner._bench = original
-
-
-# --------------------------------------------------------------------------------------------
-# Demonstration kernels (Chapter 4). Tiny, so that the CPU interpreter runs them in seconds.
-# --------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def scale_kernel(x_ptr, y_ptr, n, n_key, BLOCK: tl.constexpr):
-    """y = 2 x over n elements. ``n_key`` is not read by the body: it is there to be an autotune
-    key (a bucketed n) instead of n itself."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask) * 2.0, mask=mask)
-
-
-SCALE_CONFIGS = [triton.Config({"BLOCK": 64}, num_warps=2), triton.Config({"BLOCK": 256}, num_warps=4)]
-
-
-def make_scale(key=("n_key",), configs=None, do_bench=None, prune=None, restore_value=None):
-    """A fresh autotuned :func:`scale_kernel` (its own, empty, tuning cache) keyed on ``key``.
-    ``restore_value``: argument names the autotuner saves before and restores after every
-    benchmark run (``["y_ptr"]`` for the in-place launch :func:`scale_`)."""
-    return triton.autotune(configs=list(configs or autotune_configs(SCALE_CONFIGS)), key=list(key),
-                           do_bench=do_bench, restore_value=list(restore_value) if restore_value else None,
-                           prune_configs_by={"early_config_prune": prune} if prune else None)(scale_kernel)
-
-
-def scale(kernel, x: torch.Tensor) -> torch.Tensor:
-    """Launch an autotuned :func:`scale_kernel`: y = 2 x, key argument ``n_key = bucket(n)``."""
-    y = torch.empty_like(x)
-    n = x.numel()
-    kernel[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](x, y, n, bucket(n))
-    return y
-
-
-def scale_(kernel, x: torch.Tensor) -> torch.Tensor:
-    """The in-place launch: x *= 2 (``x`` is both the input and the output)."""
-    n = x.numel()
-    kernel[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](x, x, n, bucket(n))
-    return x
-
-
-def block_for_n(configs, named_args, **kwargs):
-    """An ``early_config_prune`` that keeps one config per size: the smallest BLOCK that covers n
-    in one program (else the largest). The choice then differs per key, deterministically."""
-    n = named_args["n"]
-    fits = [c for c in configs if c.kwargs["BLOCK"] >= n]
-    return [min(fits, key=lambda c: c.kwargs["BLOCK"])] if fits else [max(configs, key=lambda c: c.kwargs["BLOCK"])]
-
-
-@triton.jit
-def splitk_sum_kernel(x_ptr, out_ptr, K, stride_m, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Row sums, split-K: program (m, s) sums blocks s, s + SPLIT_K, ... of row m and
-    ``atomic_add``s its partial into ``out[m]``. ``out`` must hold zeros before the launch: the
-    kernel accumulates into it, like a split-K workspace."""
-    m = tl.program_id(0)
-    s = tl.program_id(1)
-    acc = tl.zeros([BLOCK_K], tl.float32)
-    for k0 in range(s * BLOCK_K, K, SPLIT_K * BLOCK_K):
-        offs = k0 + tl.arange(0, BLOCK_K)
-        acc += tl.load(x_ptr + m * stride_m + offs, mask=offs < K, other=0.0)
-    tl.atomic_add(out_ptr + m, tl.sum(acc, 0))
-
-
-SPLITK_CONFIGS = [triton.Config({"BLOCK_K": 16, "SPLIT_K": s}, num_warps=1) for s in (1, 2, 4)]
-
-
-def make_splitk_sum(reset_to_zero: bool = True, configs=None, do_bench=None):
-    """A fresh autotuned :func:`splitk_sum_kernel`, keyed on K. With ``reset_to_zero`` the
-    autotuner zeroes ``out_ptr`` before every benchmark run and after tuning; without it, every
-    benchmark run adds its sums into the caller's output."""
-    return triton.autotune(configs=list(configs or autotune_configs(SPLITK_CONFIGS)), key=["K"],
-                           reset_to_zero=["out_ptr"] if reset_to_zero else None,
-                           do_bench=do_bench)(splitk_sum_kernel)
-
-
-def splitk_sum(kernel, x: torch.Tensor) -> torch.Tensor:
-    """Launch an autotuned :func:`splitk_sum_kernel` on a fresh zeroed output: row sums of x."""
-    x = x.contiguous()
-    m, k = x.shape
-    out = torch.zeros(m, dtype=torch.float32, device=x.device)
-    kernel[lambda meta: (m, meta["SPLIT_K"])](x, out, k, x.stride(0))
-    return out

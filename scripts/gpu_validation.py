@@ -13,8 +13,8 @@ its message; cases not started before the time budget ends are listed as skipped
 not counted: the MMA kernel with bf16 tensor-core operands (P rounded to 2**-8), and a range
 probe with |q| beyond the fp16 range. "mma" is what a serving call runs (the launch rule picks
 the kernel per call); "mma-tl" and "mma-wgmma*" force one kernel on every case: the portable
-tl.dot kernel with its shipped configs, and on sm_90 the Gluon kernel's three variants (heads as
-M; tokens as M with 16 heads, and with 8 heads and 128-token tiles).
+tl.dot kernel with its shipped configs, and on sm_90 the Gluon kernel's four forms
+(mla.configs.GLUON_FORMS). The check is FlashMLA's whole check, the cosine difference included.
 """
 from __future__ import annotations
 
@@ -33,45 +33,57 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import mla  # noqa: E402  (first: it may turn Triton's interpreter on)
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+import mla.validate as mv  # noqa: E402
+from mla import bench, dispatch  # noqa: E402
+from mla.configs import GluonConfig  # noqa: E402
+
 # "reference": fp32
 COUNTED = ("reference", "simt", "mma", "mma-tl", "mma-wgmma", "mma-wgmma-t16", "mma-wgmma-t8", "mma-wgmma-duo")
 GLUON = ("mma-wgmma", "mma-wgmma-t16", "mma-wgmma-t8", "mma-wgmma-duo")
 INFO_IMPLS = ("mma-bf16",)
 
 
-def _mma_bf16(q, k_cache, indices, **kw):
-    """The MMA kernel with the shipped config but bf16 tensor-core operands."""
-    from mla.kernels.mma import default_config, mma_sparse_decode
-
-    cfg = dataclasses.replace(default_config(q.shape[2], q.device), dot="bf16")
-    return mma_sparse_decode(q, k_cache, indices, **kw, config=cfg)
+def _forced(config_for, q, k_cache, indices, **kw):
+    """mla.sparse_decode with the launch forced to ``config_for(q, indices, kw)``'s config."""
+    return mla.sparse_decode(q, k_cache, indices, **kw, plan=mla.plan(q, k_cache, indices, **kw,
+                                                                      config=config_for(q, indices, kw)))
 
 
-def _mma_tl(q, k_cache, indices, **kw):
-    """The portable tl.dot kernel, shipped config (two programs per head block on small grids)."""
-    from mla.kernels.mma import default_config, fill_small_grid, mma_sparse_decode, sm_count
-
+def _tl_config(q, indices, kw):
+    """The portable tl.dot kernel with its shipped config (two programs per head block on small grids)."""
     b, s_q, h_q, _ = q.shape
     total = indices.shape[-1] + (kw["extra_indices"].shape[-1] if kw.get("extra_k_cache") is not None else 0)
-    cfg = fill_small_grid(default_config(h_q, q.device), b, s_q, h_q, total, sm_count(q.device))
-    return mma_sparse_decode(q, k_cache, indices, **kw, config=cfg)
+    return dispatch.fill_small_grid(dispatch.tl_dot_config(q.device, h_q), b, s_q, h_q, total,
+                                    dispatch.sm_count(q.device))
 
 
-def _mma_wgmma(q, k_cache, indices, form="heads as M", **kw):
-    """The Gluon sm_90 kernel on every case, whatever the grid and h_q, in one of its forms
-    (mla.kernels.mma.GLUON_FORMS)."""
-    from mla.kernels.mma import GLUON_FORMS, MMAConfig, mma_sparse_decode
+def _gluon(form):
+    return lambda q, indices, kw: GluonConfig(form)
 
-    return mma_sparse_decode(q, k_cache, indices, **kw, config=MMAConfig(**GLUON_FORMS[form]))
+
+def _bf16_operands(q, k_cache, indices, **kw):
+    """The tl.dot kernel with its shipped config but bf16 tensor-core operands (P rounded to 2**-8)."""
+    b, s_q, h_q, _ = q.shape
+    out = torch.empty(b, s_q, h_q, 512, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=q.device)
+    plan = mla.plan(q, k_cache, indices, **kw, config=dispatch.tl_dot_config(q.device, h_q))
+    launcher = plan.launcher
+    launcher.kwargs = dict(launcher.kwargs, DOT=triton.language.bfloat16)
+    launcher(q, k_cache, indices, kw.get("attn_sink"), kw.get("topk_length"), kw.get("extra_k_cache"),
+             kw.get("extra_indices"), kw.get("extra_topk_length"), out, lse)
+    return out, lse
 
 
 def _impls(names):
-    import mla
-
-    forced = {"mma-bf16": _mma_bf16, "mma-tl": _mma_tl, "mma-wgmma": _mma_wgmma,
-              "mma-wgmma-t16": functools.partial(_mma_wgmma, form="tokens as M, 16 x 64"),
-              "mma-wgmma-t8": functools.partial(_mma_wgmma, form="tokens as M, 8 x 128"),
-              "mma-wgmma-duo": functools.partial(_mma_wgmma, form="tokens as M, two consumers")}
+    forced = {"mma-bf16": _bf16_operands, "mma-tl": functools.partial(_forced, _tl_config),
+              "mma-wgmma": functools.partial(_forced, _gluon("heads as M")),
+              "mma-wgmma-t16": functools.partial(_forced, _gluon("tokens as M, 16 x 64")),
+              "mma-wgmma-t8": functools.partial(_forced, _gluon("tokens as M, 8 x 128")),
+              "mma-wgmma-duo": functools.partial(_forced, _gluon("tokens as M, two consumers"))}
     return {n: forced.get(n) or functools.partial(mla.sparse_decode, impl=n) for n in names}
 
 
@@ -92,8 +104,6 @@ def _records(rows):
 def _work(job):
     """One worker: run its cases (each a dict of CaseSpec fields) until the deadline."""
     specs, names, deadline, leak, wid, device = job
-    import mla.validate as mv
-
     rows, skipped = [], []
     for d in specs:
         spec = mv.CaseSpec(**d)
@@ -132,8 +142,6 @@ def graph_replay_check():
     small grid (b 4; on sm_90 the Gluon kernel with tokens as M, elsewhere the tl.dot kernel),
     one that fills the GPU (b 32; on sm_90 heads as M) and 8 heads at b 128 (on sm_90 8 heads x
     128-token tiles)."""
-    import mla.validate as mv
-
     runs = {}
     for b, h_q in ((4, 64), (32, 64), (128, 8)):
         case = mv.make_case(b=b, s_q=1, h_q=h_q, topk=512, page=64, num_blocks=256, extra_topk=64, extra_page=64,
@@ -143,8 +151,6 @@ def graph_replay_check():
 
 
 def _safe_summary(rows):
-    import mla.validate as mv
-
     try:
         return mv.summary(rows) if rows else {}
     except Exception as e:  # noqa: BLE001  (informational rows may hold error strings)
@@ -162,11 +168,6 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test the script on the interpreter")
     a = ap.parse_args(argv)
     t_start = time.time()
-    import torch
-
-    import mla.validate as mv
-    from mla import bench
-
     on_gpu = a.device == "cuda"
     if on_gpu and not torch.cuda.is_available():
         print("gpu_validation: no CUDA GPU", file=sys.stderr)
@@ -227,7 +228,8 @@ def main(argv=None) -> int:
     if info_rows:
         print(mv.table(info_rows, "informational (not counted)", width=200))
     print(json.dumps({k: summ[k] for k in ("cases", "rows", "failures", "crashes", "worst_out_abs", "worst_out_rel",
-                                           "worst_lse_abs", "worst_lse_rel", "nan_leak_checks", "complete",
+                                           "worst_out_cos", "worst_lse_abs", "worst_lse_rel", "worst_lse_cos",
+                                           "nan_leak_checks", "complete",
                                            "graph_replay_ok", "seconds")}, indent=1))
     print(f"wrote {path}")
     return 0 if summ["failures"] == 0 and graph["ok"] and not skipped else 1

@@ -3,7 +3,8 @@ import re
 
 import pytest
 
-from mla import aot
+from mla import aot, dispatch
+from mla.configs import GluonConfig, TlDotConfig
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +29,10 @@ def test_every_shipped_config_compiles_and_fits_shared_memory(compiled):
 
 @pytest.mark.slow
 def test_a_register_cap_is_honoured_and_its_spills_reported():
-    """MMAConfig.maxnreg reaches ptxas: the V4-TP8 config (208 registers, no spills under Triton
+    """A register cap reaches ptxas: the h_q-16 config (208 registers, no spills under Triton
     3.6) capped at 128 registers uses at most 128 and spills."""
-    from mla.kernels.mma import MMAConfig
-
-    free, capped = aot.report([aot.config_variant(90, MMAConfig(block_h=16, block_n=64, num_warps=8)),
-                               aot.config_variant(90, MMAConfig(block_h=16, block_n=64, num_warps=8, maxnreg=128))])
+    free, capped = aot.report([aot.tl_dot_variant(90, block_h=16, block_n=64, num_warps=8),
+                               aot.tl_dot_variant(90, block_h=16, block_n=64, num_warps=8, maxnreg=128)])
     assert "error" not in free and "error" not in capped, (free, capped)
     assert free["regs"] > 128
     assert 0 < capped["regs"] <= 128 and capped["spill_bytes"] > free["spill_bytes"]
@@ -43,10 +42,8 @@ def test_a_register_cap_is_honoured_and_its_spills_reported():
 def test_both_caches_run_through_one_tensor_core_loop():
     """The decode kernel has one token-tile loop whatever the caches: with an extra cache the
     SASS holds one loop with tensor-core instructions, as with the main cache alone (two loops,
-    one per cache, spilled ten times more in the second: chapter 3, v11)."""
-    from mla.kernels.mma import MMAConfig
-
-    cfg = MMAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
+    one per cache, spilled ten times more in the second: the version log's v11)."""
+    cfg = TlDotConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
     both, one = aot.report([aot.config_variant(90, cfg, loops=True),
                             aot.config_variant(90, cfg, loops=True, has_extra=False)])
     assert "error" not in both and "error" not in one, (both, one)
@@ -59,19 +56,17 @@ def test_both_caches_run_through_one_tensor_core_loop():
 
 @pytest.mark.slow
 def test_the_gluon_kernel_computes_s_once_in_one_loop_without_spills():
-    """The sm_90 Gluon kernel (mla.kernels.wgmma): one token-tile loop in its consumer
+    """The sm_90 Gluon kernel (mla.kernels.gluon_sm90): one token-tile loop in its consumer
     partition, no spill traffic in it, and 36 wgmma instructions per warp per tile: S = Q.K^T
     as 512/16 = 32 instructions of N = BLOCK_N/2 (each warpgroup computes its half of the tile's
     columns) and P.V as 64/16 = 4 instructions of N = 256 (its half of the output). The tl.dot
     kernel issues 72, both warpgroups computing all of S. The variant for page strides that are
     multiples of 8 only (a contiguous cache at an odd page size; rows copied 8 bytes at a time)
     builds too."""
-    from mla.kernels.mma import MMAConfig
-
-    gl_cfg, tl_cfg = MMAConfig(kernel="wgmma"), MMAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
+    gl_cfg, tl_cfg = GluonConfig(), TlDotConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
     ours, theirs, odd = aot.report([aot.config_variant(90, gl_cfg, loops=True, asm=("sass",)),
                                     aot.config_variant(90, tl_cfg, loops=True),
-                                    aot.wgmma_variant(90, align=8, loops=True, asm=("sass",))])
+                                    aot.gluon_variant(align=8, loops=True, asm=("sass",))])
     assert "error" not in ours and "error" not in theirs and "error" not in odd, (ours, theirs, odd)
     assert ours["fits"] and ours["shared"] <= aot.SMEM_LIMIT[90]
     for r in (ours, odd):
@@ -93,12 +88,8 @@ def test_the_gluon_kernels_tokens_as_m_variants_build_without_spills():
     (each warpgroup computes S^T for its 64 tokens, so the tile is read once for S). Both fit the
     H200's shared memory (the 128-token tile buffer with two 64-token ring stages) and their
     token-tile loops do not spill."""
-    from mla.kernels.mma import MMAConfig
-
-    t16, t8 = aot.report([aot.config_variant(90, MMAConfig(kernel="wgmma", tokens_as_m=True).for_heads(8),
-                                             loops=True),
-                          aot.config_variant(90, MMAConfig(kernel="wgmma", tokens_as_m=True,
-                                                           block_n=128).for_heads(8), loops=True)])
+    t16, t8 = aot.report([aot.gluon_variant("tokens as M, 16 x 64", loops=True),
+                          aot.gluon_variant("tokens as M, 8 x 128", loops=True)])
     for r, wgmma in ((t16, 32 + 16), (t8, 32 + 32)):
         assert "error" not in r, r
         assert r["fits"] and r["shared"] <= aot.SMEM_LIMIT[90], r
@@ -114,12 +105,9 @@ def test_the_gluon_kernels_two_consumer_variant_builds_within_the_h200s_shared_m
     own 64 KB tile buffer): each consumer's loop issues, per tile, S^T as 8 groups x 4 wgmma of
     K = 16 (A from registers) and O^T as (512/64 rows) x 4 = 32 wgmma; both loops are in the SASS
     (one per consumer partition). Shared memory: Q 8 KB, two tile buffers, two P and two ring
-    stages, within the H200's 227 KB. Neither loop spills at the consumers' DUO_REGS (216; at
+    stages, within the H200's 227 KB. Neither loop spills at the consumers' 216 registers (at
     232 each spilled 2 registers a tile under Triton 3.6)."""
-    from mla.kernels.mma import MMAConfig
-
-    (r,) = aot.report([aot.config_variant(90, MMAConfig(kernel="wgmma", tokens_as_m=True, duo=True).for_heads(8),
-                                          loops=True)])
+    (r,) = aot.report([aot.gluon_variant("tokens as M, two consumers", loops=True)])
     assert "error" not in r, r
     assert r["fits"] and 200 * 1024 < r["shared"] <= aot.SMEM_LIMIT[90], r
     assert r["num_warps"] == 4
@@ -168,7 +156,7 @@ def test_sass_loops_leaves_out_a_branch_back_over_a_whole_loop():
 def test_a_config_too_big_for_99kb_is_reported_as_not_fitting():
     """The check is not vacuous: two pipeline stages at BLOCK_N 64, h_q 64 need more than
     sm_120's 99 KB (the H200's shipped h_q-64 config would not fit there)."""
-    (r,) = aot.report([aot.mma_variant(120, block_h=64, block_n=64, num_warps=8, num_stages=2)])
+    (r,) = aot.report([aot.tl_dot_variant(120, block_h=64, block_n=64, num_warps=8, num_stages=2)])
     assert "error" not in r, r
     assert r["shared"] > aot.SMEM_LIMIT[120]
     assert not r["fits"]
@@ -179,24 +167,24 @@ def test_a_kernel_lowered_to_a_trap_is_reported_as_not_usable():
     """Triton 3.9 lowers a BLOCK_H 64 program for sm_100 to a lone `trap` (its accumulators do
     not fit tensor memory); the report must not call that a fitting kernel. If a later Triton
     compiles it for real, this test says so and the generic sm_100 table can go back to 64."""
-    (r,) = aot.report([aot.mma_variant(100, block_h=64, block_n=64, num_warps=8)])
+    (r,) = aot.report([aot.tl_dot_variant(100, block_h=64, block_n=64, num_warps=8)])
     assert "error" not in r, r
     assert not r["usable"] and not r["fits"]
 
 
 @pytest.mark.slow
 def test_the_group_major_ring_changes_addresses_only():
-    """v25 stores the FP8 ring group-major (mla.kernels.wgmma.RING_GROUP_MAJOR), a shared-memory
-    layout order only: the heads-as-M variant compiles to the same copies and loads (16-byte
-    cp.async and 16-byte shared loads, as many of each) and about the same loop as with the
-    token-major ring (its address arithmetic differs: 712 against 714 instructions under Triton
-    3.6, 768 against 747 under 3.9). The launch ships it for the one-consumer forms and keeps token-major for
-    the two-consumer form, which was slower with it on the H200 (chapter 3)."""
-    from mla.kernels.wgmma import launch_options
-
-    assert launch_options()["GM"] == 1 and launch_options(duo=True)["GM"] == 0
-    group = aot.wgmma_variant(90, loops=True, asm=("sass",))
-    token = {**group, "constexprs": {**group["constexprs"], "GM": 0}}
+    """The FP8 ring stored group-major (the Gluon kernel's GROUP_MAJOR) is a shared-memory layout
+    order only: the heads-as-M form compiles to the same copies and loads (16-byte cp.async and
+    16-byte shared loads, as many of each) and about the same loop as with the token-major ring
+    (its address arithmetic differs). The launch ships it for the one-consumer forms and keeps
+    token-major for the two-consumer form, which was slower with it on the H200."""
+    if dispatch.gluon_sm90 is None:
+        pytest.skip("this Triton has no Gluon")
+    launch_options = dispatch.gluon_sm90.launch_options
+    assert launch_options(64, 64, False)["GROUP_MAJOR"] == 1 and launch_options(8, 64, True)["GROUP_MAJOR"] == 0
+    group = aot.gluon_variant(loops=True, asm=("sass",))
+    token = {**group, "constexprs": {**group["constexprs"], "GROUP_MAJOR": 0}}
     g, t = aot.report([group, token])
     assert "error" not in g and "error" not in t, (g, t)
 

@@ -278,26 +278,6 @@ def test_dequantize_kv_rejects(case):
 # impl dispatch
 # --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("impl", ["mma", "simt"])
-def test_impl_without_a_launcher_is_not_implemented(monkeypatch, impl):
-    monkeypatch.setattr(mla.kernels, "AVAILABLE", {})
-    with pytest.raises(NotImplementedError, match=impl):
-        call(impl=impl)
-
-
-def test_auto_falls_back_to_the_reference_without_kernels(monkeypatch):
-    monkeypatch.setattr(mla.kernels, "AVAILABLE", {})
-    kv = torch.zeros(NB, P, 512, dtype=torch.bfloat16)
-    kv[0, 1, 0] = 1.0
-    q = torch.zeros(B, S_Q, H_Q, 512, dtype=torch.bfloat16)
-    q[..., 0] = 2.0
-    ind = torch.full((B, S_Q, TOPK), -1, dtype=torch.int32)
-    ind[:, :, 0] = 1                                 # token 1 = block 0, offset 1
-    out, lse = mla.sparse_decode(q, mla.quantize_kv(kv), ind, softmax_scale=0.5, impl="auto")
-    assert bool((out[..., 0] == 1.0).all()) and bool((out[..., 1:] == 0).all())
-    assert torch.equal(lse, torch.ones(B, H_Q, S_Q))  # q.k * scale = 2 * 1 * 0.5
-
-
 def test_check_inputs_is_public_and_silent_on_good_input():
     kw = good()
     assert mla.check_inputs(kw["q"], kw["k_cache"], kw["indices"]) is None

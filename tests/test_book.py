@@ -29,3 +29,22 @@ def test_toc_lists_every_notebook_and_page():
     pages = {f"notebooks/{p.stem}" for p in (ROOT / "notebooks").glob("*.ipynb")}
     pages |= {f"book/{p.stem}" for p in (ROOT / "book").glob("*.md")}
     assert pages == files, f"not in _toc.yml: {sorted(pages - files)}; missing files: {sorted(files - pages)}"
+
+
+def _python_blocks(page: pathlib.Path) -> list[str]:
+    import re
+
+    return re.findall(r"^```python\n(.*?)^```", page.read_text(), flags=re.S | re.M)
+
+
+@pytest.mark.timeout(900)
+def test_every_snippet_of_the_serving_page_runs():
+    """The serving page's snippets, in order, in one namespace, as a reader would paste them."""
+    blocks = _python_blocks(ROOT / "book" / "serving.md")
+    assert len(blocks) >= 6, len(blocks)
+    namespace = {}
+    for i, code in enumerate(blocks):
+        try:
+            exec(compile(code, f"book/serving.md, snippet {i + 1}", "exec"), namespace)
+        except Exception as e:  # noqa: BLE001
+            pytest.fail(f"snippet {i + 1} of book/serving.md fails: {type(e).__name__}: {e}\n{code}")

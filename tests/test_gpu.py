@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mla
-from mla.kernels.mma import GLUON_FORMS
+from mla.configs import GLUON_FORMS, GluonConfig
 from mla.validate import make_case, run_case
 
 pytestmark = pytest.mark.gpu
@@ -34,15 +34,15 @@ def test_kernels_on_gpu(impl, name):
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_gluon_kernel_on_gpu(name, splits, variant):
-    """The sm_90 Gluon kernel's four forms (mla.kernels.mma.GLUON_FORMS), each forced on every
+    """The sm_90 Gluon kernel's four forms (mla.configs.GLUON_FORMS), each forced on every
     shape (the launch rule picks heads as M for h_q > 16 on grids that fill the GPU, tokens as M
     for h_q <= 16)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is for sm_90")
-    from mla.kernels.mma import MMAConfig, mma_sparse_decode
-
     case = make_case(**SHAPES[name], device="cuda", seed=len(name))
-    fn = functools.partial(mma_sparse_decode, config=MMAConfig(**GLUON_FORMS[variant]), splits=splits)
+
+    def fn(**kw):
+        return mla.sparse_decode(**kw, plan=mla.plan(**kw, config=GluonConfig(variant), splits=splits))
     out_ok, lse_ok = run_case(fn, case)
     assert out_ok.ok, str(out_ok)
     assert lse_ok.ok, str(lse_ok)
@@ -64,3 +64,70 @@ def test_serving_calls_use_the_shipped_config_on_an_h200():
     from mla import configs
 
     assert configs.source() == "h200.json"
+
+
+def test_the_writer_writes_quantize_kvs_bytes_on_the_gpu_and_in_a_cuda_graph():
+    """The writer on the GPU (its FP8 rounding and scale exponent in integer arithmetic) against
+    quantize_kv, eagerly and replayed from a CUDA graph over new rows and slots."""
+    from mla import layout
+
+    nb, page = 64, 61
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cache = layout.empty_cache(nb, page, device="cuda", fill=0)
+    kv = torch.randn(nb * page, 512, device="cuda", generator=g).bfloat16()
+    slots = torch.randperm(nb * page, device="cuda", generator=g)
+    mla.write_kv(kv, cache, slots)
+    want = mla.quantize_kv(torch.empty_like(kv).index_copy_(0, slots, kv).view(nb, page, 512))
+    assert torch.equal(layout.cache_bytes(cache), layout.cache_bytes(want))
+    rows = torch.randn(256, 512, device="cuda", generator=g).bfloat16()
+    where = torch.randperm(nb * page, device="cuda", generator=g)[:256]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        mla.write_kv(rows, cache, where)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mla.write_kv(rows, cache, where)
+    rows.copy_(torch.randn(256, 512, device="cuda", generator=g).bfloat16())
+    where.copy_(torch.randperm(nb * page, device="cuda", generator=g)[:256])
+    graph.replay()
+    torch.cuda.synchronize()
+    got = layout.gather_tokens(cache, where)
+    assert torch.equal(got, layout.gather_tokens(mla.quantize_kv(rows.view(256, 1, 512)), torch.arange(256,
+                                                                                                       device="cuda")))
+
+
+def test_a_planned_call_is_captured_in_a_cuda_graph_and_replayed_over_new_indices():
+    case = make_case(b=8, s_q=1, h_q=64, topk=128, page=256, extra_topk=512, extra_page=64, num_blocks=64,
+                     device="cuda", seed=2, invalid_frac=0.05)
+    plan = mla.plan(**case)
+    out = torch.empty(8, 1, 64, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(8, 64, 1, dtype=torch.float32, device="cuda")
+    mla.sparse_decode(**case, plan=plan, out=out, lse=lse)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mla.sparse_decode(**case, plan=plan, out=out, lse=lse)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for key, n in (("indices", 64 * 256), ("extra_indices", case["extra_k_cache"].shape[0] * 64)):
+        case[key].copy_(torch.randint(0, n, case[key].shape, device="cuda", dtype=torch.int32, generator=g))
+    graph.replay()
+    torch.cuda.synchronize()
+    out_ok, lse_ok = mla.validate.check_against_reference(out, lse, *mla.sparse_decode_reference(
+        **case, out_dtype=torch.float64))
+    assert out_ok.ok and lse_ok.ok, (str(out_ok), str(lse_ok))
+
+
+@pytest.mark.parametrize("name", ["DSA b4", "V4-CSA b8"])
+def test_flashmlas_call_on_mla_equals_sparse_decode(name):
+    import mla.flash_mla as flash_mla
+
+    case = make_case(**SHAPES[name], device="cuda", seed=9)
+    meta, _ = flash_mla.get_mla_metadata()
+    out, lse = flash_mla.flash_mla_with_kvcache(
+        case["q"], case["k_cache"], None, None, 512, meta, None, None, False, True, case["indices"],
+        case.get("attn_sink"), case.get("extra_k_cache"), case.get("extra_indices"), case.get("topk_length"),
+        case.get("extra_topk_length"))
+    want = mla.sparse_decode(**case)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])

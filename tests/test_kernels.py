@@ -1,4 +1,5 @@
-"""SIMT and MMA kernels against the float64 reference (CPU interpreter here; the GPU too)."""
+"""SIMT and tensor-core kernels against the float64 reference (CPU interpreter here; the GPU too),
+and the launch rule on given facts."""
 import dataclasses
 import functools
 import zlib
@@ -9,8 +10,9 @@ import triton
 import triton.language as tl
 
 import mla
+from mla import dispatch
+from mla.configs import GLUON_FORMS, GluonConfig, TlDotConfig
 from mla.kernels.common import e4m3_to_f32, ue8m0_to_f32
-from mla.kernels.mma import MMAConfig, fill_small_grid, mma_sparse_decode
 from mla.validate import make_case, run_case
 
 CASES = {
@@ -32,11 +34,17 @@ def test_kernel_matches_reference(impl, name, device):
     assert lse_ok.ok, str(lse_ok)
 
 
+def forced(config=None, splits=None):
+    """``sparse_decode`` with the launch forced: a plan per call with this config and split count."""
+    def fn(**kw):
+        return mla.sparse_decode(**kw, plan=mla.plan(**kw, impl="mma", config=config, splits=splits))
+    return fn
+
+
 @pytest.mark.parametrize("splits", [1, 2, 5])
 def test_mma_split_k_combine_matches_reference(splits, device):
     case = make_case(b=1, s_q=1, h_q=5, topk=70, page=16, extra_topk=30, extra_page=8, device=device, seed=7)
-    fn = functools.partial(mma_sparse_decode, splits=splits)
-    out_ok, lse_ok = run_case(fn, case)
+    out_ok, lse_ok = run_case(forced(splits=splits), case)
     assert out_ok.ok and lse_ok.ok, f"{out_ok} | {lse_ok}"
 
 
@@ -49,92 +57,61 @@ def test_mma_combine_merges_many_splits(device):
     case["indices"][0, 0, :256][torch.arange(256) % 16 != 0] = -1
     case["indices"][1, 0, :256] = -1
     case["indices"][2, 0, :] = -1
-    out_ok, lse_ok = run_case(functools.partial(mma_sparse_decode, splits=19), case)
+    out_ok, lse_ok = run_case(forced(splits=19), case)
     assert out_ok.ok and lse_ok.ok, f"{out_ok} | {lse_ok}"
 
 
-@pytest.mark.parametrize("partial_fp16", [False, True])
+def _tl_config(h_q, device, **fields):
+    return dataclasses.replace(dispatch.tl_dot_config(torch.device(device), h_q), **fields)
+
+
 @pytest.mark.parametrize("dv_halves", [1, 2])
-def test_mma_output_halves_and_partial_types_match_reference(dv_halves, partial_fp16, device):
-    """dv_halves=2 (two programs per head block, 256 output columns each) and the partial
-    output type, with and without splits, on a case with both caches, lengths and an empty query."""
+def test_mma_output_halves_match_reference(dv_halves, device):
+    """dv_halves=2 (two programs per head block, 256 output columns each), with and without
+    splits, on a case with both caches, lengths and an empty query."""
     case = make_case(b=2, s_q=2, h_q=20, topk=45, page=13, extra_topk=19, extra_page=7, lengths=True,
                      empty_query=True, device=device, seed=11)
-    base = mla.kernels.mma.default_config(20, torch.device(device))
-    cfg = dataclasses.replace(base, dv_halves=dv_halves, partial_fp16=partial_fp16,
-                              num_warps=4 if dv_halves == 2 else base.num_warps)
+    cfg = _tl_config(20, device, dv_halves=dv_halves, **({"num_warps": 4} if dv_halves == 2 else {}))
     for splits in (1, 3):
-        out_ok, lse_ok = run_case(functools.partial(mma_sparse_decode, config=cfg, splits=splits), case)
+        out_ok, lse_ok = run_case(forced(cfg, splits), case)
         assert out_ok.ok and lse_ok.ok, f"splits={splits}: {out_ok} | {lse_ok}"
 
 
-@pytest.mark.parametrize("variant", [dict(prefetch=True), dict(tokens_as_m=True), dict(dot="bf16"), dict(block_n=32)])
-def test_mma_config_variants_match_reference(variant, device):
-    """The non-default code paths (the hand-prefetched loop, tokens as M, bf16 operands, another
-    tile size) over both caches, with lengths and an empty query, unsplit and in three splits
-    (the middle one's tile range runs from the main cache's last tile into the extra cache's)."""
+def test_mma_with_another_tile_size_matches_reference(device):
+    """Another token tile over both caches, with lengths and an empty query, unsplit and in three
+    splits (the middle one's tile range runs from the main cache's last tile into the extra's)."""
     case = make_case(b=2, s_q=1, h_q=6, topk=37, page=11, extra_topk=29, extra_page=5, lengths=True,
                      empty_query=True, device=device, seed=13)
-    cfg = dataclasses.replace(mla.kernels.mma.default_config(6, torch.device(device)), **variant)
+    cfg = _tl_config(6, device, block_n=32)
     for splits in (1, 3):
-        out_ok, lse_ok = run_case(functools.partial(mma_sparse_decode, config=cfg, splits=splits), case)
-        assert out_ok.ok and lse_ok.ok, f"{variant} splits={splits}: {out_ok} | {lse_ok}"
+        out_ok, lse_ok = run_case(forced(cfg, splits), case)
+        assert out_ok.ok and lse_ok.ok, f"splits={splits}: {out_ok} | {lse_ok}"
 
 
-def test_mma_rejects_a_bad_dv_halves():
-    case = make_case(b=1, s_q=1, h_q=4, topk=8, page=8, device="cpu", seed=1)
+def test_configs_refuse_what_they_do_not_have():
     with pytest.raises(ValueError, match="dv_halves"):
-        mma_sparse_decode(**case, config=MMAConfig(block_h=16, block_n=16, num_warps=4, dv_halves=3))
-
-
-@pytest.mark.parametrize("maxnreg", [-1, 8, 256])
-def test_mma_rejects_a_bad_register_cap(maxnreg):
-    case = make_case(b=1, s_q=1, h_q=4, topk=8, page=8, device="cpu", seed=1)
-    with pytest.raises(ValueError, match="maxnreg"):
-        mma_sparse_decode(**case, config=MMAConfig(block_h=16, block_n=16, num_warps=4, maxnreg=maxnreg))
+        TlDotConfig(dv_halves=3)
+    with pytest.raises(ValueError, match="form must be one of"):
+        GluonConfig("tokens as M, 32 x 64")
 
 
 def test_the_gluon_kernel_is_refused_off_hopper_with_a_clear_error():
     case = make_case(b=1, s_q=1, h_q=4, topk=8, page=8, device="cpu", seed=1)
     with pytest.raises(ValueError, match="sm_90"):
-        mma_sparse_decode(**case, config=MMAConfig(kernel="wgmma"))
-    with pytest.raises(ValueError, match="kernel must be"):
-        mma_sparse_decode(**case, config=MMAConfig(kernel="cuda"))
+        mla.plan(**case, impl="mma", config=GluonConfig())
+    with pytest.raises(ValueError, match="splits"):
+        mla.plan(**case, impl="mma", splits=0)
+    with pytest.raises(ValueError, match="config"):
+        mla.plan(**case, impl="simt", config=TlDotConfig())
 
 
-@pytest.mark.parametrize("field", [dict(block_n=128), dict(block_n=32), dict(num_warps=4), dict(dot="bf16"),
-                                   dict(prefetch=True),
-                                   dict(dv_halves=2), dict(fp8="int"), dict(num_stages=2), dict(duo=True),
-                                   dict(duo=True, tokens_as_m=True, block_n=128)])
-def test_the_gluon_kernel_refuses_settings_it_does_not_have(field, monkeypatch):
-    """Fields of MMAConfig that only the tl.dot kernel has are refused, not silently ignored (the
-    check runs before the device check, so it is reachable on the CPU)."""
-    from mla.kernels import mma as mma_mod
-
-    monkeypatch.setattr(mma_mod._runtime, "INTERPRET", False)
-    case = make_case(b=1, s_q=1, h_q=4, topk=8, page=8, device="cpu", seed=1)
-    with pytest.raises(ValueError, match="the wgmma kernel takes"):
-        mma_sparse_decode(**case, config=MMAConfig(kernel="wgmma", **field))
-
-
-def test_the_gluon_kernel_takes_128_token_tiles_with_tokens_as_m_only(monkeypatch):
-    """block_n 128 is the tokens-as-M variant's (8 heads, two ring tiles a tile); it passes the
-    field check there and reaches the device check, and is refused with heads as M."""
-    from mla.kernels import mma as mma_mod
-
-    monkeypatch.setattr(mma_mod._runtime, "INTERPRET", False)
-    case = make_case(b=1, s_q=1, h_q=4, topk=8, page=8, device="cpu", seed=1)
-    with pytest.raises(ValueError, match="sm_90"):
-        mma_sparse_decode(**case, config=MMAConfig(kernel="wgmma", tokens_as_m=True, block_n=128))
-    with pytest.raises(ValueError, match="sm_90"):
-        mma_sparse_decode(**case, config=MMAConfig(kernel="wgmma", tokens_as_m=True))
-    with pytest.raises(ValueError, match="the wgmma kernel takes"):
-        mma_sparse_decode(**case, config=MMAConfig(kernel="wgmma", tokens_as_m=True, block_n=32))
-    assert MMAConfig(kernel="wgmma", tokens_as_m=True, block_n=128).for_heads(4).block_h == 8
-    assert MMAConfig(kernel="wgmma", tokens_as_m=True).for_heads(128).block_h == 16
-    assert MMAConfig(kernel="wgmma").for_heads(8).block_h == 64
-    # two consumers: 8-head blocks for any h_q (16 heads take 235 KB of shared memory)
-    assert MMAConfig(kernel="wgmma", tokens_as_m=True, duo=True).for_heads(128).block_h == 8
+def test_gluon_forms_name_their_heads_and_tiles():
+    assert [(GluonConfig(f).block_h, GluonConfig(f).block_n, GluonConfig(f).two_consumers) for f in GLUON_FORMS] == [
+        (64, 64, False), (16, 64, False), (8, 128, False), (8, 64, True)]
+    assert GluonConfig().label == "Gluon, heads as M"
+    assert GluonConfig("tokens as M, 8 x 128").label == "Gluon, tokens as M, 8 x 128"
+    assert TlDotConfig(dv_halves=2).label == "tl.dot, split P.V" and TlDotConfig().label == "tl.dot"
+    assert TlDotConfig(block_h=64).for_heads(8).block_h == 16 and TlDotConfig(block_h=64).for_heads(20).block_h == 32
 
 
 def test_the_gluon_kernel_copies_rows_as_wide_as_the_caches_alignment_allows():
@@ -143,10 +120,12 @@ def test_the_gluon_kernel_copies_rows_as_wide_as_the_caches_alignment_allows():
     8 when of 8 (a contiguous cache at an odd P, as `.to(device)` of a padded one gives); a base
     address that is not a multiple of 16 (a view that starts mid-allocation) is not copied at
     all: the launch rule then runs the tl.dot kernel."""
-    pytest.importorskip("triton.experimental.gluon")
+    if dispatch.gluon_sm90 is None:
+        pytest.skip("this Triton has no Gluon")
     from mla import layout
-    from mla.kernels import wgmma
-    from mla.kernels.mma import cache_args
+    from mla.kernels.common import cache_args
+
+    row_align = dispatch.gluon_sm90.row_align
 
     def cache(P, offset=0):    # a contiguous cache of 2 pages: stride P x 584
         raw = torch.zeros(2 * P * 584 + 64, dtype=torch.uint8)
@@ -157,92 +136,73 @@ def test_the_gluon_kernel_copies_rows_as_wide_as_the_caches_alignment_allows():
         view, stride, _, _ = cache(P, offset)
         return view, stride
 
-    assert wgmma.row_align(arg(64)) == 16
+    assert row_align(arg(64)) == 16
     padded = layout.quantize_kv(torch.zeros(3, 61, 512, dtype=torch.bfloat16))
     view, stride, _, _ = cache_args(padded)
-    assert stride == layout.page_stride(61) and wgmma.row_align((view, stride)) == 16   # padded, any P
+    assert stride == layout.page_stride(61) and row_align((view, stride)) == 16   # padded, any P
     assert cache_args(padded.to("meta"))[1] == 61 * 584        # .to() drops the padding: an odd stride
-    assert wgmma.row_align(arg(64), arg(256)) == 16
-    assert wgmma.row_align(arg(64), arg(61)) == 8        # 61 x 584: a multiple of 8, not of 16
-    assert wgmma.row_align(arg(61)) == 8
-    assert wgmma.row_align(arg(64, offset=8)) == 0       # a cache view 8 bytes off
-    assert wgmma.row_align(arg(64), arg(61, offset=4)) == 0
+    assert row_align(arg(64), arg(256)) == 16
+    assert row_align(arg(64), arg(61)) == 8        # 61 x 584: a multiple of 8, not of 16
+    assert row_align(arg(61)) == 8
+    assert row_align(arg(64, offset=8)) == 0       # a cache view 8 bytes off
+    assert row_align(arg(64), arg(61, offset=4)) == 0
 
 
-def test_launch_config_picks_the_gluon_variant_by_heads_and_grid_on_a_hopper_gpu(monkeypatch):
-    """The launch rule, with the GPU facts stubbed: on an sm_90 GPU (132 SMs) whose config file
-    names a Gluon config, every call runs the Gluon kernel: heads as M for h_q > 16 on a grid
-    that fills the GPU, tokens as M for h_q <= 16 or a small grid (at h_q <= 8, 8 heads x 128
-    tokens with b * s_q >= 66, else two consumers of 8 heads x 64 tokens). No Gluon config
-    (another GPU) means the tl.dot kernel, with split P.V on a small grid."""
-    from mla import configs
-    from mla.kernels import mma as mma_mod
+def test_the_launch_rule_picks_the_gluon_form_by_heads_and_grid_on_a_hopper_gpu():
+    """The launch rule on given facts: on an sm_90 GPU (132 SMs) whose table allows the Gluon
+    kernel, every call runs it: heads as M for h_q > 16 on a grid that fills the GPU, tokens as M
+    for h_q <= 16 or a small grid (at h_q <= 8, 8 heads x 128 tokens with b * s_q >= 66, else two
+    consumers of 8 heads x 64 tokens). Without Gluon (another GPU), the tl.dot kernel, with split
+    P.V on a small grid."""
+    tl64 = TlDotConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
+    tl16 = TlDotConfig(block_h=16, block_n=64, num_warps=8)
+    hop, t16 = GluonConfig("heads as M"), GluonConfig("tokens as M, 16 x 64")
+    t8, pair = GluonConfig("tokens as M, 8 x 128"), GluonConfig("tokens as M, two consumers")
 
-    tl64 = MMAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
-    tl16 = MMAConfig(block_h=16, block_n=64, num_warps=8)
-    hop = MMAConfig(kernel="wgmma")
-    t16 = MMAConfig(kernel="wgmma", tokens_as_m=True, block_h=16)
-    t8 = MMAConfig(kernel="wgmma", tokens_as_m=True, block_h=8, block_n=128)
-    duo = MMAConfig(kernel="wgmma", tokens_as_m=True, block_h=8, duo=True)
-    monkeypatch.setattr(mma_mod._runtime, "INTERPRET", False)
-    monkeypatch.setattr(mma_mod, "default_config", lambda h_q, dev: (tl16 if h_q <= 16 else tl64).for_heads(h_q))
-    monkeypatch.setattr(mma_mod, "sm_count", lambda dev: 132)
-    monkeypatch.setattr(configs, "hopper", lambda dev: hop)
-    cuda = torch.device("cuda", 0)
-    assert mma_mod.launch_config(1, 1, 64, 2048, cuda) == t16              # DSA b 1: 32 one-tile programs
-    assert mma_mod.launch_config(2, 1, 64, 2048, cuda) == t16              # 64 <= 132 / 2
-    assert mma_mod.launch_config(3, 1, 64, 2048, cuda) == hop              # 96: fills enough
-    assert mma_mod.launch_config(8, 1, 64, 2048, cuda) == hop              # DSA b 8: 256 programs
-    assert mma_mod.launch_config(1, 1, 64, 640, cuda) == t16               # V4-CSA b 1
-    assert mma_mod.launch_config(32, 1, 64, 640, cuda) == hop              # V4-CSA b 32
-    assert mma_mod.launch_config(1, 1, 8, 640, cuda) == duo                # V4-TP8 b 1
-    assert mma_mod.launch_config(32, 1, 8, 640, cuda) == duo               # V4-TP8 b 32
-    assert mma_mod.launch_config(65, 1, 8, 640, cuda) == duo
-    assert mma_mod.launch_config(32, 1, 16, 640, cuda) == t16              # 9 to 16 heads: one 16-head block
-    assert mma_mod.launch_config(66, 1, 8, 640, cuda) == t8
-    assert mma_mod.launch_config(33, 2, 8, 640, cuda) == t8                # s_q counts like b
-    assert mma_mod.launch_config(128, 1, 8, 640, cuda) == t8               # V4-TP8 b 128
-    assert mma_mod.launch_config(128, 1, 9, 640, cuda) == t16
-    assert mma_mod.launch_config(128, 1, 1, 640, cuda) == t8
-    assert mma_mod.launch_config(32, 1, 17, 640, cuda) == hop              # heads padded to 64 inside
-    assert mma_mod.launch_config(8, 1, 128, 640, cuda) == hop              # 8 x 2 head blocks x 10 tiles
-    assert mma_mod.launch_config(2, 1, 128, 640, cuda) == t16              # 40 programs: small
-    monkeypatch.setattr(configs, "hopper", lambda dev: None)
-    assert mma_mod.launch_config(1, 1, 64, 2048, cuda) == fill_small_grid(tl64, 1, 1, 64, 2048, 132)
-    assert mma_mod.launch_config(1, 1, 64, 2048, cuda).dv_halves == 2
-    assert mma_mod.launch_config(8, 1, 64, 2048, cuda) == tl64
-    assert mma_mod.launch_config(128, 1, 8, 640, cuda) == tl16
-    assert mma_mod.launch_config(2, 1, 128, 640, cuda).kernel == "tl"
+    def pick(b, s_q, h_q, total, gluon=True):
+        return dispatch.choose_config((tl16 if h_q <= 16 else tl64).for_heads(h_q), gluon, b, s_q, h_q, total, 132)
 
-
-def test_config_labels_name_the_kernel_and_variant():
-    assert MMAConfig(kernel="wgmma").label == "Gluon, heads as M"
-    assert MMAConfig(kernel="wgmma", tokens_as_m=True).for_heads(8).label == "Gluon, tokens as M (16 heads x 64 tokens)"
-    assert (MMAConfig(kernel="wgmma", tokens_as_m=True, block_n=128).for_heads(8).label
-            == "Gluon, tokens as M (8 heads x 128 tokens)")
-    assert (MMAConfig(kernel="wgmma", tokens_as_m=True, duo=True).for_heads(64).label
-            == "Gluon, tokens as M (8 heads x 64 tokens, two consumers)")
-    assert MMAConfig(dv_halves=2).label == "tl.dot, split P.V" and MMAConfig().label == "tl.dot"
+    assert pick(1, 1, 64, 2048) == t16              # DSA b 1: 32 one-tile programs
+    assert pick(2, 1, 64, 2048) == t16              # 64 <= 132 / 2
+    assert pick(3, 1, 64, 2048) == hop              # 96: fills enough
+    assert pick(8, 1, 64, 2048) == hop              # DSA b 8: 256 programs
+    assert pick(1, 1, 64, 640) == t16               # V4-CSA b 1
+    assert pick(32, 1, 64, 640) == hop              # V4-CSA b 32
+    assert pick(1, 1, 8, 640) == pair               # V4-TP8 b 1
+    assert pick(32, 1, 8, 640) == pair              # V4-TP8 b 32
+    assert pick(65, 1, 8, 640) == pair
+    assert pick(32, 1, 16, 640) == t16              # 9 to 16 heads: one 16-head block
+    assert pick(66, 1, 8, 640) == t8
+    assert pick(33, 2, 8, 640) == t8                # s_q counts like b
+    assert pick(128, 1, 8, 640) == t8               # V4-TP8 b 128
+    assert pick(128, 1, 9, 640) == t16
+    assert pick(128, 1, 1, 640) == t8
+    assert pick(32, 1, 17, 640) == hop              # heads padded to 64 inside
+    assert pick(8, 1, 128, 640) == hop              # 8 x 2 head blocks x 10 tiles
+    assert pick(2, 1, 128, 640) == t16              # 40 programs: small
+    assert pick(1, 1, 64, 2048, gluon=False) == dispatch.fill_small_grid(tl64, 1, 1, 64, 2048, 132)
+    assert pick(1, 1, 64, 2048, gluon=False).dv_halves == 2
+    assert pick(8, 1, 64, 2048, gluon=False) == tl64
+    assert pick(128, 1, 8, 640, gluon=False) == tl16.for_heads(8)
+    assert pick(2, 1, 128, 640, gluon=False).kernel == "tl_dot"
 
 
 def test_fill_small_grid_splits_head_blocks_only_when_the_grid_is_small():
-    h64 = MMAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
+    h64 = TlDotConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
     # DSA (topk 2048 = 32 tiles): 32 or 64 programs at b 1 or 2 fill under half of 132 SMs
     for b in (1, 2):
-        got = fill_small_grid(h64, b, 1, 64, 2048, 132)
+        got = dispatch.fill_small_grid(h64, b, 1, 64, 2048, 132)
         assert (got.dv_halves, got.num_warps, got.num_stages) == (2, 4, 1), (b, got)
     for b in (3, 8, 128):
-        assert fill_small_grid(h64, b, 1, 64, 2048, 132) == h64
+        assert dispatch.fill_small_grid(h64, b, 1, 64, 2048, 132) == h64
     # V4-CSA (640 tokens = 10 tiles) up to b = 6; s_q counts like b
-    assert fill_small_grid(h64, 6, 1, 64, 640, 132).dv_halves == 2
-    assert fill_small_grid(h64, 7, 1, 64, 640, 132) == h64
-    assert fill_small_grid(h64, 3, 2, 64, 640, 132).dv_halves == 2
-    assert fill_small_grid(h64, 4, 2, 64, 640, 132) == h64
-    # head blocks below 64 are left alone (measured: no gain at V4-TP8), as are other variants
-    h16 = MMAConfig(block_h=16, block_n=64, num_warps=8)
-    assert fill_small_grid(h16, 1, 1, 8, 640, 132) == h16
-    tam = MMAConfig(tokens_as_m=True)
-    assert fill_small_grid(tam, 1, 1, 64, 640, 132) == tam
+    assert dispatch.fill_small_grid(h64, 6, 1, 64, 640, 132).dv_halves == 2
+    assert dispatch.fill_small_grid(h64, 7, 1, 64, 640, 132) == h64
+    assert dispatch.fill_small_grid(h64, 3, 2, 64, 640, 132).dv_halves == 2
+    assert dispatch.fill_small_grid(h64, 4, 2, 64, 640, 132) == h64
+    # head blocks below 64 are left alone (measured: no gain at V4-TP8)
+    h16 = TlDotConfig(block_h=16, block_n=64, num_warps=8)
+    assert dispatch.fill_small_grid(h16, 1, 1, 8, 640, 132) == h16
 
 
 def test_a_kernel_that_ignores_the_mask_is_caught(device):

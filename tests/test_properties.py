@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import mla
 import mla.validate as mv
+from experiments.broken_decodes import BROKEN, CORRECT_F32
 
 SETTINGS = settings(max_examples=20, deadline=None, derandomize=True, database=None, print_blob=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -65,10 +66,10 @@ def test_the_result_does_not_depend_on_unreferenced_bytes(spec):
 # ---- the harness itself -------------------------------------------------------------------
 
 def test_every_broken_variant_is_caught_and_the_correct_one_passes():
-    df = mv.sweep(dict(mv.BROKEN, correct=mv.CORRECT_F32), mv.quick_cases(), "cpu", progress=False)
+    df = mv.sweep(dict(BROKEN, correct=CORRECT_F32), mv.quick_cases(), "cpu", progress=False)
     per = df.groupby("impl")["ok"].all()
     assert per["correct"], mv.table(df[df.impl == "correct"])
-    for name in mv.BROKEN:
+    for name in BROKEN:
         assert not per[name], f"{name} was not caught"
 
 
@@ -76,7 +77,7 @@ def test_a_nan_leak_is_caught():
     """A decode that reads every index's bytes (clamped into range) and only then masks, with a
     multiply by 0, turns the poisoned bytes into NaN: caught as a NaN and as a failure."""
     spec = mv.CaseSpec("leak", b=1, s_q=1, h_q=2, topk=24, page=8, invalid_frac=0.3, seed=3)
-    row = mv.check(mv.BROKEN["masks scores, not V (0*NaN)"], spec, "cpu")
+    row = mv.check(BROKEN["masks scores, not V (0*NaN)"], spec, "cpu")
     assert not row["ok"] and row["nan_count"] > 0
 
 
@@ -85,7 +86,7 @@ def test_reading_an_unreferenced_token_is_caught_even_without_nan():
     zeros in the unreferenced bytes instead, still gives different bits for an output in
     which an unreferenced token took part."""
     def sneaky(**kw):
-        out, lse = mv.BROKEN["no mask (clamps invalid indices)"](**kw)
+        out, lse = BROKEN["no mask (clamps invalid indices)"](**kw)
         return torch.nan_to_num(out, nan=0.0), torch.nan_to_num(lse, nan=0.0)
 
     spec = mv.CaseSpec("sneaky", b=1, s_q=1, h_q=2, topk=16, page=8, num_blocks=8, invalid_frac=0.5, sink=False,
@@ -119,7 +120,7 @@ def test_wrong_dtype_and_shape_fail():
 
 def test_sweep_has_a_row_per_case_and_impl_and_a_summary():
     cs = mv.quick_cases()[:3]
-    impls = ["reference", mv.CORRECT_F32, mv.BROKEN["lse includes the sink"]]
+    impls = ["reference", CORRECT_F32, BROKEN["lse includes the sink"]]
     df = mv.sweep(impls, cs, "cpu", progress=False, leak_check=False)
     assert len(df) == len(cs) * len(impls)
     assert set(df["case"]) == {c.name for c in cs}

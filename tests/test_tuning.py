@@ -11,8 +11,10 @@ import triton.language as tl
 from triton.runtime.autotuner import Autotuner
 
 import mla
+from experiments import autotune_demos as demos
 from mla import aot, configs, tuning
-from mla.kernels import mma
+from mla.configs import TlDotConfig
+from mla.kernels import combine, tl_dot
 
 
 @triton.jit
@@ -61,7 +63,7 @@ def test_kernel_name_through_every_wrapper():
     assert tuning.kernel_name(_Launcher().launch) == "launch"
     assert tuning.kernel_name(functools.wraps(_plain_function)(lambda: None)) == "_plain_function"
     assert tuning.kernel_name(object()) == "object"
-    assert tuning.kernel_name(mma.mma_decode_kernel) == "mma_decode_kernel"
+    assert tuning.kernel_name(tl_dot.tl_dot_decode_kernel) == "tl_dot_decode_kernel"
 
 
 def test_kernel_name_stops_on_a_cycle():
@@ -77,18 +79,18 @@ def test_kernel_name_stops_on_a_cycle():
 
 
 def test_tuned_configs_per_key_while_best_config_is_the_last_call(device):
-    k = tuning.make_scale(key=("n",), configs=tuning.SCALE_CONFIGS, prune=tuning.block_for_n,
+    k = demos.make_scale(key=("n",), configs=demos.SCALE_CONFIGS, prune=demos.block_for_n,
                           do_bench=tuning.CountingBench())
     assert not hasattr(k, "best_config")
     assert tuning.tuned_configs(k) == {}
     for n in (50, 200):
         x = torch.arange(n, dtype=torch.float32, device=device)
-        assert torch.equal(tuning.scale(k, x), 2 * x)
+        assert torch.equal(demos.scale(k, x), 2 * x)
     per_key = {key[0]: c.kwargs["BLOCK"] for key, c in tuning.tuned_configs(k).items()}
     assert per_key == {50: 64, 200: 256}
     assert k.best_config.kwargs["BLOCK"] == 256
     with pytest.raises(TypeError):
-        tuning.tuned_configs(tuning.scale_kernel)
+        tuning.tuned_configs(demos.scale_kernel)
 
 
 # --- 3. reset_to_zero / restore_value -------------------------------------------------------
@@ -99,19 +101,19 @@ def test_reset_to_zero_fixes_the_split_k_demo(device):
     x = torch.randint(0, 8, (4, 64), generator=g).float().to(device)
     ref = x.double().sum(1).float()
     counter = tuning.CountingBench()
-    bad = tuning.splitk_sum(tuning.make_splitk_sum(False, tuning.SPLITK_CONFIGS, counter), x)
-    assert counter.calls == len(tuning.SPLITK_CONFIGS)
+    bad = demos.splitk_sum(demos.make_splitk_sum(False, demos.SPLITK_CONFIGS, counter), x)
+    assert counter.calls == len(demos.SPLITK_CONFIGS)
     assert not torch.allclose(bad, ref)                       # benchmark runs accumulated
-    good_kernel = tuning.make_splitk_sum(True, tuning.SPLITK_CONFIGS, tuning.CountingBench())
-    assert torch.equal(tuning.splitk_sum(good_kernel, x), ref)
-    assert torch.equal(tuning.splitk_sum(good_kernel, x), ref)  # tuned key: one launch, still exact
+    good_kernel = demos.make_splitk_sum(True, demos.SPLITK_CONFIGS, tuning.CountingBench())
+    assert torch.equal(demos.splitk_sum(good_kernel, x), ref)
+    assert torch.equal(demos.splitk_sum(good_kernel, x), ref)  # tuned key: one launch, still exact
 
 
 def test_restore_value_fixes_the_in_place_demo(device):
     vals = {}
     for restore in (None, ["y_ptr"]):
         x = torch.ones(100, device=device)
-        tuning.scale_(tuning.make_scale(configs=tuning.SCALE_CONFIGS, do_bench=tuning.CountingBench(),
+        demos.scale_(demos.make_scale(configs=demos.SCALE_CONFIGS, do_bench=tuning.CountingBench(),
                                         restore_value=restore), x)
         vals[bool(restore)] = x
     assert not torch.equal(vals[False], torch.full_like(vals[False], 2.0))
@@ -135,12 +137,12 @@ def test_bucketed_key_retunes_once_per_power_of_two(device):
     tunings = {}
     for key in (("n",), ("n_key",)):
         counter = tuning.CountingBench()
-        k = tuning.make_scale(key=key, configs=tuning.SCALE_CONFIGS, do_bench=counter)
+        k = demos.make_scale(key=key, configs=demos.SCALE_CONFIGS, do_bench=counter)
         for n in range(1, 11):
-            tuning.scale(k, torch.ones(n, device=device))
+            demos.scale(k, torch.ones(n, device=device))
         tunings[key[0]] = (len(tuning.tuned_configs(k)), counter.calls)
-    assert tunings["n"] == (10, 10 * len(tuning.SCALE_CONFIGS))
-    assert tunings["n_key"] == (5, 5 * len(tuning.SCALE_CONFIGS))     # buckets 1, 2, 4, 8, 16
+    assert tunings["n"] == (10, 10 * len(demos.SCALE_CONFIGS))
+    assert tunings["n_key"] == (5, 5 * len(demos.SCALE_CONFIGS))     # buckets 1, 2, 4, 8, 16
 
 
 # --- 5. shared-memory pruning ---------------------------------------------------------------
@@ -158,8 +160,8 @@ def test_shared_memory_pruner_logic_with_a_fake_report(monkeypatch, caplog):
 
     monkeypatch.setattr(aot, "report", fake_report)
     monkeypatch.setattr(tuning, "_SMEM_REPORTS", {})
-    one, two = mma.MMAConfig(num_stages=1), mma.MMAConfig(num_stages=2)
-    broken = mma.MMAConfig(block_n=16)
+    one, two = TlDotConfig(num_stages=1), TlDotConfig(num_stages=2)
+    broken = TlDotConfig(block_n=16)
     with caplog.at_level(logging.INFO, logger="mla"):
         assert tuning.prune_by_shared_memory([one, two, broken], 120) == [one]
     assert "shared memory" in caplog.text and "compile error" in caplog.text
@@ -178,7 +180,7 @@ def test_shared_memory_pruner_logic_with_a_fake_report(monkeypatch, caplog):
 def test_prune_by_shared_memory_drops_a_config_that_does_not_fit_sm120():
     """Two real AOT compiles for sm_120 (99 KB): a small config fits, the H200's two-stage h_q-64
     config does not."""
-    one = mma.MMAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+    one = TlDotConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
     two = configs.table_for("NVIDIA H200", "3.6", 90)[1][64]
     assert two.num_stages == 2
     report = tuning.shared_memory([one, two], 120)
@@ -191,11 +193,11 @@ def test_prune_by_shared_memory_drops_a_config_that_does_not_fit_sm120():
 
 
 def test_autotune_configs_single_config_under_the_interpreter():
-    cfgs = tuning.autotune_configs(tuning.SCALE_CONFIGS)
+    cfgs = tuning.autotune_configs(demos.SCALE_CONFIGS)
     if mla.INTERPRET:
-        assert cfgs == tuning.SCALE_CONFIGS[:1]
+        assert cfgs == demos.SCALE_CONFIGS[:1]
     else:
-        assert cfgs == tuning.SCALE_CONFIGS
+        assert cfgs == demos.SCALE_CONFIGS
     with pytest.raises(ValueError):
         tuning.autotune_configs([])
 
@@ -204,36 +206,36 @@ def test_autotune_configs_single_config_under_the_interpreter():
 def test_several_configs_fail_under_the_interpreter_and_one_works():
     x = torch.arange(10, dtype=torch.float32)
     with pytest.raises(RuntimeError, match="0 active drivers"):
-        tuning.scale(tuning.make_scale(configs=tuning.SCALE_CONFIGS), x)
-    k = tuning.make_scale()                                       # autotune_configs: one config
+        demos.scale(demos.make_scale(configs=demos.SCALE_CONFIGS), x)
+    k = demos.make_scale()                                       # autotune_configs: one config
     assert len(k.configs) == 1
-    assert torch.equal(tuning.scale(k, x), 2 * x)
+    assert torch.equal(demos.scale(k, x), 2 * x)
 
 
 # --- 7. warm-up before capture --------------------------------------------------------------
 
 
 def test_warmup_keys_then_guard(device):
-    k = tuning.make_scale(configs=tuning.SCALE_CONFIGS, do_bench=tuning.CountingBench())
+    k = demos.make_scale(configs=demos.SCALE_CONFIGS, do_bench=tuning.CountingBench())
     x = torch.ones(40, device=device)
     with pytest.raises(tuning.AutotuneInRegion, match="scale_kernel"):
         with tuning.autotune_guard("capture"):
-            tuning.scale(k, x)
+            demos.scale(k, x)
     assert Autotuner._bench is not None and Autotuner._bench.__name__ == "_bench"      # restored
-    assert tuning.warmup_keys(lambda n: tuning.scale(k, torch.ones(n, device=device)), [40, 100]) == [40, 100]
+    assert tuning.warmup_keys(lambda n: demos.scale(k, torch.ones(n, device=device)), [40, 100]) == [40, 100]
     with tuning.autotune_guard("capture"):
-        assert torch.equal(tuning.scale(k, x), 2 * x)
-        assert torch.equal(tuning.scale(k, torch.ones(100, device=device)), torch.full((100,), 2.0, device=device))
+        assert torch.equal(demos.scale(k, x), 2 * x)
+        assert torch.equal(demos.scale(k, torch.ones(100, device=device)), torch.full((100,), 2.0, device=device))
 
 
 @pytest.mark.gpu
 def test_cuda_graph_capture_after_warmup(device):
-    k = tuning.make_scale(configs=tuning.SCALE_CONFIGS)
+    k = demos.make_scale(configs=demos.SCALE_CONFIGS)
     x = torch.ones(1 << 16, device=device)
-    tuning.warmup_keys(lambda n: tuning.scale(k, torch.ones(n, device=device)), [x.numel()])
+    tuning.warmup_keys(lambda n: demos.scale(k, torch.ones(n, device=device)), [x.numel()])
     graph = torch.cuda.CUDAGraph()
     with tuning.autotune_guard("capture"), torch.cuda.graph(graph):
-        y = tuning.scale(k, x)
+        y = demos.scale(k, x)
     x.copy_(torch.arange(x.numel(), dtype=torch.float32, device=device))
     graph.replay()
     torch.cuda.synchronize()
@@ -252,32 +254,43 @@ def test_table_for_h200_reads_the_shipped_file_and_unknown_gpu_gets_generic(monk
         src_new, _ = configs.table_for("NVIDIA H200", "3.9.0", 90)
         src_unknown, generic = configs.table_for("NVIDIA GeForce RTX 5090", "3.6", 120)
     assert src == "h200.json" == src_new
-    assert {str(k): v for k, v in table.items()} == {k: mma.MMAConfig(**v) for k, v in shipped["configs"].items()}
+    assert {str(k): v for k, v in table.items()} == {k: TlDotConfig(**v) for k, v in shipped["tl_dot"].items()}
     assert src_unknown == "generic" and generic == configs.generic(120)
-    assert "mma_decode_kernel on NVIDIA H200" in caplog.text          # logged through kernel_name
-    assert "MMA configs from h200.json for NVIDIA H200" in caplog.text
+    assert "configs from h200.json for NVIDIA H200" in caplog.text
     assert "tuned with Triton 3.6, running 3.9" in caplog.text
-    assert "no shipped MMA config for NVIDIA GeForce RTX 5090" in caplog.text
+    assert "no shipped config for NVIDIA GeForce RTX 5090" in caplog.text
     configs.table_for.cache_clear()
 
 
-def test_hopper_config_comes_from_the_shipped_file_or_the_sm90_default(monkeypatch):
+def test_the_gluon_kernel_is_allowed_by_the_shipped_file_or_on_any_sm90_gpu(monkeypatch):
     monkeypatch.delenv("MLA_CONFIG_FILE", raising=False)
+    configs.gluon_for.cache_clear()
+    assert json.loads((pathlib.Path(configs.__file__).with_name("h200.json")).read_text())["gluon"] is True
+    assert configs.gluon_for("NVIDIA H200", "3.6", 90) is True
+    assert configs.gluon_for("NVIDIA H100 80GB HBM3", "3.6", 90) is True          # no file: any sm_90
+    assert configs.gluon_for("NVIDIA GeForce RTX 5090", "3.6", 120) is False
+    assert configs.gluon_for("NVIDIA A100-SXM4-80GB", "3.6", 80) is False
+    configs.gluon_for.cache_clear()
+
+
+def test_a_config_file_round_trips(tmp_path, monkeypatch):
+    path = tmp_path / "x.json"
+    table = {16: TlDotConfig(block_h=16), 64: TlDotConfig(num_stages=2, dv_halves=1)}
+    configs.write(path, "NVIDIA X", "3.9.1", table, measured="by hand", gluon=False)
+    monkeypatch.setenv("MLA_CONFIG_FILE", str(path))
     configs.table_for.cache_clear()
-    configs.hopper_for.cache_clear()
-    shipped = json.loads((pathlib.Path(configs.__file__).with_name("h200.json")).read_text())
-    h200 = configs.hopper_for("NVIDIA H200", "3.6", 90)
-    assert h200 == mma.MMAConfig(**shipped["hopper"]) and h200.kernel == "wgmma"
-    assert configs.hopper_for("NVIDIA H100 80GB HBM3", "3.6", 90) == configs.generic_hopper(90)
-    assert configs.hopper_for("NVIDIA GeForce RTX 5090", "3.6", 120) is None
-    assert configs.hopper_for("NVIDIA A100-SXM4-80GB", "3.6", 80) is None
-    configs.table_for.cache_clear()
-    configs.hopper_for.cache_clear()
+    configs.gluon_for.cache_clear()
+    try:
+        assert configs.table_for("NVIDIA X", "3.9", 90) == ("x.json", table)
+        assert configs.gluon_for("NVIDIA X", "3.9", 90) is False
+    finally:
+        configs.table_for.cache_clear()
+        configs.gluon_for.cache_clear()
 
 
 def test_serving_call_never_autotunes(device, monkeypatch):
-    assert tuning.find_autotuner(mma.mma_decode_kernel) is None
-    assert tuning.find_autotuner(mma.combine_kernel) is None
+    assert tuning.find_autotuner(tl_dot.tl_dot_decode_kernel) is None
+    assert tuning.find_autotuner(combine.combine_kernel) is None
     runs = []
     original = Autotuner.run
     monkeypatch.setattr(Autotuner, "run", lambda self, *a, **k: runs.append(self) or original(self, *a, **k))

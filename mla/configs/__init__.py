@@ -1,15 +1,16 @@
-"""Shipped launch configs of the MMA kernel, as JSON keyed by GPU name and Triton version
-(the way vLLM and SGLang ship tuned configs). Serving calls read them; they never autotune.
+"""The kernels' configs: one small type per kernel, and the shipped tables as JSON keyed by GPU
+name and Triton version (the way vLLM and SGLang ship tuned configs). Serving calls read them;
+nothing here autotunes, and nothing here imports a kernel.
 
 A file ``<slug>.json`` holds ``{"gpu": "NVIDIA H200", "triton": "3.6", "measured": "...",
-"configs": {"16": {...}, "32": {...}, "64": {...}, "128": {...}}, "hopper": {...}}``: one MMAConfig
-of the portable ``tl.dot`` kernel per bucket of h_q (the smallest bucket >= h_q applies), and,
-for a Hopper GPU, the config of the Gluon sm_90 kernel (:mod:`mla.kernels.wgmma`) that
-:func:`mla.kernels.mma.launch_config` launches instead when the grid fills the GPU. Set
-``MLA_CONFIG_FILE`` to use another file.
+"tl_dot": {"16": {...}, "32": {...}, "64": {...}, "128": {...}}, "gluon": true}``: one
+:class:`TlDotConfig` of the portable ``tl.dot`` kernel per bucket of h_q (the smallest bucket >=
+h_q applies), and whether the launch rule (:mod:`mla.dispatch`) may run the Gluon sm_90 kernel on
+that GPU. Set ``MLA_CONFIG_FILE`` to use another file.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -17,37 +18,110 @@ import os
 import pathlib
 
 import torch
+import triton
 
 log = logging.getLogger("mla")
 _DIR = pathlib.Path(__file__).parent
 BUCKETS = (16, 32, 64, 128)
+#: the smallest M of a tensor-core dot: a head block is never smaller (heads are padded)
+MIN_BLOCK_H = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class TlDotConfig:
+    """Launch parameters of the portable ``tl.dot`` kernel (:mod:`mla.kernels.tl_dot`)."""
+
+    block_h: int = 64       #: heads per program (the M of the dots)
+    block_n: int = 64       #: tokens per tile (the N of S = Q.K^T)
+    num_warps: int = 8
+    num_stages: int = 1
+    #: 2: two programs per head block, each owning 256 of the 512 output columns (the form the
+    #: launch rule picks for a grid too small to fill the GPU)
+    dv_halves: int = 1
+
+    def __post_init__(self):
+        if self.dv_halves not in (1, 2):
+            raise ValueError(f"config: dv_halves must be 1 or 2, got {self.dv_halves}")
+
+    @property
+    def kernel(self) -> str:
+        return "tl_dot"
+
+    @property
+    def label(self) -> str:
+        return "tl.dot" + (", split P.V" if self.dv_halves == 2 else "")
+
+    def for_heads(self, h_q: int) -> "TlDotConfig":
+        """The head block for h_q: at most h_q rounded up to a power of two, at least 16."""
+        p2 = 1 << max(0, int(h_q) - 1).bit_length()
+        return dataclasses.replace(self, block_h=max(MIN_BLOCK_H, min(self.block_h, p2)))
+
+
+#: The Gluon sm_90 kernel's forms: (heads per program, tokens per consumer tile, two consumers).
+#: Heads as M: 64 heads are one warpgroup's M. Tokens as M (few heads, small grids): the token
+#: tile is the M of the dots and the heads are N, 16, or 8 with 128-token tiles, or 8 with two
+#: consumer warpgroups on alternate 64-token tiles.
+GLUON_FORMS = {
+    "heads as M": (64, 64, False),
+    "tokens as M, 16 x 64": (16, 64, False),
+    "tokens as M, 8 x 128": (8, 128, False),
+    "tokens as M, two consumers": (8, 64, True),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GluonConfig:
+    """The Gluon sm_90 kernel's form (:mod:`mla.kernels.gluon_sm90`): everything else about its
+    launch (warps, ring stages, register split) follows from the form."""
+
+    form: str = "heads as M"
+
+    def __post_init__(self):
+        if self.form not in GLUON_FORMS:
+            raise ValueError(f"config: form must be one of {list(GLUON_FORMS)}, got {self.form!r}")
+
+    @property
+    def kernel(self) -> str:
+        return "gluon"
+
+    @property
+    def block_h(self) -> int:
+        return GLUON_FORMS[self.form][0]
+
+    @property
+    def block_n(self) -> int:
+        return GLUON_FORMS[self.form][1]
+
+    @property
+    def two_consumers(self) -> bool:
+        return GLUON_FORMS[self.form][2]
+
+    @property
+    def label(self) -> str:
+        return f"Gluon, {self.form}"
+
+    def for_heads(self, h_q: int) -> "GluonConfig":
+        return self
 
 
 def generic(arch: int = 90) -> dict:
-    """Untuned defaults for an architecture (``arch`` = 10*major + minor). One stage, so that
-    they fit the 99 KB parts too (tests/test_aot.py checks every architecture)."""
-    from ..kernels.mma import MMAConfig
-
-    bn = 64
-    # sm_100 (Blackwell): with Triton 3.9 a BLOCK_H 64 program's two [64, 256] fp32 accumulators
-    # plus S do not fit tensor memory and the kernel compiles to a lone `trap` (mla.aot reports
-    # it as not usable); BLOCK_H 32 compiles to a real kernel. The 99 KB parts (sm_86/89/120):
-    # Triton 3.6 gives BLOCK_H 64 131072 bytes of shared memory there, BLOCK_H 32 98304.
+    """Untuned ``tl.dot`` defaults for an architecture (``arch`` = 10*major + minor). One stage,
+    so that they fit the 99 KB parts too (tests/test_aot.py compiles every one)."""
+    # sm_100 (Blackwell): a BLOCK_H 64 program's two [64, 256] fp32 accumulators plus S do not
+    # fit tensor memory (Triton compiles it to a lone `trap`); BLOCK_H 32 compiles to a real
+    # kernel. The 99 KB parts (sm_86/89/120): BLOCK_H 64 needs 128 KB of shared memory, 32 needs 96.
     bh = 64 if arch in (80, 90) else 32
-    return {16: MMAConfig(block_h=16, block_n=64, num_warps=8), 32: MMAConfig(block_h=32, block_n=bn, num_warps=8),
-            64: MMAConfig(block_h=bh, block_n=bn), 128: MMAConfig(block_h=bh, block_n=bn)}
-
-
-def generic_hopper(arch: int = 90):
-    """The Gluon kernel's config on a Hopper GPU with no shipped file (sm_90 only), else None."""
-    from ..kernels.mma import MMAConfig
-
-    return MMAConfig(kernel="wgmma") if arch == 90 else None
+    return {16: TlDotConfig(block_h=16, num_warps=8), 32: TlDotConfig(block_h=32, num_warps=8),
+            64: TlDotConfig(block_h=bh), 128: TlDotConfig(block_h=bh)}
 
 
 def _files():
     env = os.environ.get("MLA_CONFIG_FILE")
     return [pathlib.Path(env)] if env else sorted(_DIR.glob("*.json"))
+
+
+def _minor(triton_version: str) -> str:
+    return ".".join(triton_version.split(".")[:2])
 
 
 def _match(gpu_name: str, tv: str):
@@ -63,86 +137,69 @@ def _match(gpu_name: str, tv: str):
     return match
 
 
-def _minor(triton_version: str) -> str:
-    return ".".join(triton_version.split(".")[:2])
-
-
 @functools.lru_cache(maxsize=None)
 def table_for(gpu_name: str, triton_version: str, arch: int = 90):
-    """(source, {bucket: MMAConfig}) for a GPU name and Triton version; the generic table if no
-    shipped file matches the GPU (a file for another Triton minor version still applies, logged)."""
-    from ..kernels.mma import MMAConfig, mma_decode_kernel
-    from ..tuning import kernel_name
-
+    """(source, {bucket: TlDotConfig}) for a GPU name and Triton version: the shipped file's, or
+    the generic table if no file names the GPU (a file for another Triton minor version still
+    applies, and the log says so)."""
     tv = _minor(triton_version)
-    log.info("mla: %s on %s (sm_%d, Triton %s) launches with a config table, never autotuning",
-             kernel_name(mma_decode_kernel), gpu_name, arch, tv)
     match = _match(gpu_name, tv)
     if match is None:
-        log.info("mla: no shipped MMA config for %s; using generic defaults for sm_%d", gpu_name, arch)
+        log.info("mla: no shipped config for %s; generic tl.dot defaults for sm_%d", gpu_name, arch)
         return "generic", generic(arch)
     f, data = match
-    table = {int(k): MMAConfig(**v) for k, v in data["configs"].items()}
+    table = {int(k): TlDotConfig(**v) for k, v in data["tl_dot"].items()}
     note = "" if data.get("triton") == tv else f" (tuned with Triton {data.get('triton')}, running {tv})"
-    log.info("mla: MMA configs from %s for %s%s", f.name, gpu_name, note)
+    log.info("mla: configs from %s for %s%s", f.name, gpu_name, note)
     return f.name, table
 
 
 @functools.lru_cache(maxsize=None)
-def hopper_for(gpu_name: str, triton_version: str, arch: int = 90):
-    """The Gluon sm_90 kernel's config for this GPU (the ``hopper`` entry of the file
-    :func:`table_for` picks, or the generic one on any sm_90 GPU with no file), or None: not
-    sm_90, or a file that names none."""
-    from ..kernels.mma import MMAConfig
-
+def gluon_for(gpu_name: str, triton_version: str, arch: int = 90) -> bool:
+    """Whether the launch rule may run the Gluon sm_90 kernel on this GPU: any sm_90 GPU with no
+    shipped file, or one whose file says ``"gluon": true``."""
     if arch != 90:
-        return None
+        return False
     match = _match(gpu_name, _minor(triton_version))
-    if match is None:
-        return generic_hopper(arch)
-    entry = match[1].get("hopper")
-    return MMAConfig(**entry) if entry else None
+    return True if match is None else bool(match[1].get("gluon", False))
 
 
-def lookup(h_q: int, device: torch.device):
-    """The MMAConfig for h_q on this device."""
-    import triton
-
-    name = torch.cuda.get_device_name(device)
-    major, minor = torch.cuda.get_device_capability(device)
-    _, table = table_for(name, triton.__version__, 10 * major + minor)
+def bucket_config(table: dict, h_q: int) -> TlDotConfig:
+    """The table's config for h_q (the smallest bucket >= h_q), sized for h_q's head block."""
     for b in BUCKETS:
         if h_q <= b and b in table:
-            return table[b]
-    return table[max(table)]
+            return table[b].for_heads(h_q)
+    return table[max(table)].for_heads(h_q)
 
 
-def hopper(device: torch.device):
-    """The Gluon sm_90 kernel's config on this device, or None."""
-    import triton
+def device_facts(device):
+    """(name, Triton version, arch) of a CUDA device: the keys of its tables."""
 
     major, minor = torch.cuda.get_device_capability(device)
-    return hopper_for(torch.cuda.get_device_name(device), triton.__version__, 10 * major + minor)
+    return torch.cuda.get_device_name(device), triton.__version__, 10 * major + minor
+
+
+def lookup(h_q: int, device: torch.device) -> TlDotConfig:
+    """The shipped ``tl.dot`` config for h_q on this CUDA device."""
+    return bucket_config(table_for(*device_facts(device))[1], h_q)
+
+
+def gluon_enabled(device: torch.device) -> bool:
+    """Whether the Gluon sm_90 kernel may run on this CUDA device (by its table)."""
+    return gluon_for(*device_facts(device))
 
 
 def source(device=None) -> str:
     """Which table serves this device: a shipped file's name, or "generic"."""
-    import triton
-
-    major, minor = torch.cuda.get_device_capability(device)
-    return table_for(torch.cuda.get_device_name(device), triton.__version__, 10 * major + minor)[0]
+    return table_for(*device_facts(device))[0]
 
 
-def write(path, gpu_name: str, triton_version: str, table: dict, measured: str = "", hopper_cfg=None) -> None:
-    """Write a config file in the shipped format (``table``: bucket -> MMAConfig; ``hopper_cfg``:
-    the Gluon sm_90 kernel's MMAConfig, if any)."""
-    import dataclasses
-
-    def fields(c):
-        return {f: v for f, v in dataclasses.asdict(c).items() if f != "ablate"}
-
-    data = {"gpu": gpu_name, "triton": ".".join(triton_version.split(".")[:2]), "measured": measured,
-            "configs": {str(k): fields(c) for k, c in sorted(table.items())}}
-    if hopper_cfg is not None:
-        data["hopper"] = fields(hopper_cfg)
+def write(path, gpu_name: str, triton_version: str, table: dict, measured: str = "", gluon: bool = False) -> None:
+    """Write a config file in the shipped format (``table``: bucket -> TlDotConfig)."""
+    data = {"gpu": gpu_name, "triton": _minor(triton_version), "measured": measured,
+            "tl_dot": {str(k): dataclasses.asdict(c) for k, c in sorted(table.items())}, "gluon": bool(gluon)}
     pathlib.Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+
+#: The config under Triton's CPU interpreter: small tiles, one config (it cannot autotune).
+INTERPRETER = TlDotConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)

@@ -1,5 +1,4 @@
-"""Triton kernels. ``AVAILABLE`` maps an impl name to its launcher."""
-from .mma import mma_sparse_decode
-from .simt import simt_sparse_decode
-
-AVAILABLE: dict = {"simt": simt_sparse_decode, "mma": mma_sparse_decode}
+"""The Triton kernels, one module each: :mod:`.simt` (the per-head baseline), :mod:`.tl_dot` (the
+portable tensor-core kernel), :mod:`.gluon_sm90` (the Hopper kernel, in Gluon), :mod:`.combine`
+(the split-K merge), and :mod:`.common`, the building blocks they share. Which one runs, and how,
+is :mod:`mla.dispatch`'s decision."""

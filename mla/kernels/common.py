@@ -1,9 +1,14 @@
-"""Triton building blocks shared by the kernels: FP8 decoding and the gather of one token tile.
+"""Triton building blocks shared by the kernels: the layout's constants, FP8 decoding, a
+query's token list and its split, the gather of one token tile, the online-softmax step, the
+epilogue's pieces, and the bf16 store.
 
 A token tile is held as ``[BLOCK_N, 8, 64]``: tile ``t < 7`` of the last two dims is nope tile
 ``t`` (FP8 times its UE8M0 scale) and tile 7 is the 64 bf16 rope values. Read row-major, the
 last two dims are exactly the 512 columns of the latent (448 nope then 64 rope), so the same
 tensor serves as K for Q.K^T and as V for P.V.
+
+The scalar and elementwise helpers here are plain ``@triton.jit`` functions that the Gluon
+kernel (:mod:`mla.kernels.gluon_sm90`) calls too: they take their layouts from their arguments.
 """
 from __future__ import annotations
 
@@ -12,15 +17,22 @@ import triton
 import triton.language as tl
 
 from .. import _runtime
-from ..layout import DATA_BYTES, NOPE_BYTES, SCALE_BYTES
+from ..layout import D_QK, DATA_BYTES, N_TILES, NOPE_BYTES, SCALE_BYTES
 
 #: Whether the kernels run in Triton's interpreter (a constexpr: the compiled kernels do not see it).
 _INTERPRET = tl.constexpr(_runtime.INTERPRET)
 
-#: Byte constants as Triton constexprs.
-_DATA = tl.constexpr(DATA_BYTES)     # 576
-_NOPE = tl.constexpr(NOPE_BYTES)     # 448
-_SROW = tl.constexpr(SCALE_BYTES)    # 8
+#: The layout's constants as Triton constexprs (:mod:`mla.layout`).
+DATA = tl.constexpr(DATA_BYTES)      #: 576 bytes: a token's data row
+NOPE = tl.constexpr(NOPE_BYTES)      #: 448 bytes: its FP8 nope values; the bf16 rope follows
+SROW = tl.constexpr(SCALE_BYTES)     #: 8 bytes: a token's scale row
+NOPE_TILES = tl.constexpr(N_TILES)   #: 7 nope tiles of 64; tile 7 of a token tile is the rope
+DIM = tl.constexpr(D_QK)             #: 512: the width of q, k, v and out
+
+#: log2(e), for a softmax scale in the exp2 domain (host side: the kernels take the product).
+LOG2E = 1.4426950408889634
+#: ln(2): an lse in log2 units times this is the natural-log lse.
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -71,7 +83,7 @@ def token_rows(idx_row_ptr, offs, n, n_tokens, P, page_stride):
     blk = idx64 // P
     off = idx64 - blk * P
     page = blk * page_stride
-    return valid, page + off * _DATA, page + P * _DATA + off * _SROW
+    return valid, page + off * DATA, page + P * DATA + off * SROW
 
 
 @triton.jit
@@ -126,12 +138,12 @@ def load_raw(cache_ptr, row, srow, valid, T0: tl.constexpr, NT: tl.constexpr):
     issue the next tile's loads before it decodes and multiplies the current one."""
     t = T0 + tl.arange(0, NT)
     j = tl.arange(0, 64)
-    is_nope = t < 7
+    is_nope = t < NOPE_TILES
     nb = tl.load(cache_ptr + row[:, None, None] + (t * 64)[None, :, None] + j[None, None, :],
                  mask=valid[:, None, None] & is_nope[None, :, None], other=0)
     sb = tl.load(cache_ptr + srow[:, None] + t[None, :], mask=valid[:, None] & is_nope[None, :], other=0)
-    if T0 + NT > 7:
-        rope_ptr = (cache_ptr + row + _NOPE).to(tl.pointer_type(tl.bfloat16))
+    if T0 + NT > NOPE_TILES:
+        rope_ptr = (cache_ptr + row + NOPE).to(tl.pointer_type(tl.bfloat16))
         rope = tl.load(rope_ptr[:, None, None] + j[None, None, :], mask=valid[:, None, None], other=0.0)
     else:
         rope = tl.zeros([nb.shape[0], 1, 64], tl.bfloat16)
@@ -147,8 +159,8 @@ def dequant(nb, sb, rope, T0: tl.constexpr, NT: tl.constexpr, FP8_NATIVE: tl.con
         v = nb.to(tl.float8e4nv, bitcast=True).to(OUT) * scale[:, :, None].to(OUT)
     else:
         v = (e4m3_to_f32(nb) * scale[:, :, None]).to(OUT)
-    if T0 + NT > 7:
-        v = tl.where((t < 7)[None, :, None], v, rope.to(OUT))
+    if T0 + NT > NOPE_TILES:
+        v = tl.where((t < NOPE_TILES)[None, :, None], v, rope.to(OUT))
     return v
 
 
@@ -164,6 +176,37 @@ def load_token_tile(cache_ptr, row, srow, valid, FP8_NATIVE: tl.constexpr, OUT: 
     return dequant(nb, sb, rope, T0, NT, FP8_NATIVE, OUT)
 
 
+@triton.jit
+def softmax_step(s, valid, m_i, l_i, sm_scale_log2, TOKEN_AXIS: tl.constexpr):
+    """One tile of the online softmax, in the exp2 domain: the scores ``s`` (unscaled, tokens
+    along ``TOKEN_AXIS``: 1 for ``[heads, tokens]``, 0 for ``[tokens, heads]``), masked where
+    ``valid`` is false, fold into the running max ``m_i`` and sum ``l_i`` of each head. Returns
+    (P, the factor that rescales what came before, the new max, the new sum). A head with no
+    valid token yet keeps max -inf and sum 0 (its P is 0, not NaN)."""
+    s = tl.where(tl.expand_dims(valid, 1 - TOKEN_AXIS), s * sm_scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, TOKEN_AXIS))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - tl.expand_dims(m_safe, TOKEN_AXIS))
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, TOKEN_AXIS)
+
+
+@triton.jit
+def finish_softmax(l_i, m_i):
+    """The end of the online softmax: (empty: no valid token; the sum to divide by, 1 where
+    empty; the lse in log2 units)."""
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    return empty, l_safe, m_i + tl.log2(l_safe)
+
+
+@triton.jit
+def sink_factor(sink, lse, empty):
+    """The attention sink's factor on the output, ``1 / (1 + exp(sink - lse))`` (natural log;
+    the lse of an empty query taken as 0, whose output is zeroed anyway)."""
+    return 1.0 / (1.0 + tl.exp(sink - tl.where(empty, 0.0, lse)))
+
+
 def fp8_native(device: torch.device) -> bool:
     """Whether Triton can decode e4m3 natively on this device (sm_89 and newer, not the
     interpreter). sm_80 has no fp8e4nv: the integer decode is used there."""
@@ -176,3 +219,4 @@ def cache_args(cache):
     """(uint8 view, page stride in bytes, P, number of tokens) of a cache tensor."""
     nb, p = cache.shape[0], cache.shape[1]
     return cache.view(torch.uint8), cache.stride(0), p, nb * p
+

@@ -12,10 +12,8 @@ import triton
 import triton.language as tl
 
 from ..layout import D_QK
-from .common import cache_args, fp8_native, load_token_tile, to_bf16, token_rows
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+from .common import DIM, LN2, LOG2E, cache_args, finish_softmax, fp8_native, load_token_tile, sink_factor, to_bf16, \
+    token_rows
 
 
 @triton.jit
@@ -54,7 +52,7 @@ def simt_decode_kernel(
     t = tl.arange(0, 8)
     j = tl.arange(0, 64)
     col = (t * 64)[:, None] + j[None, :]                                         # [8, 64] = 512 cols
-    q3 = tl.load(q_ptr + (tok.to(tl.int64) * h_q + h) * 512 + col).to(tl.float32)
+    q3 = tl.load(q_ptr + (tok.to(tl.int64) * h_q + h) * DIM + col).to(tl.float32)
 
     m_i = tl.full([1], float("-inf"), tl.float32)
     l_i = tl.zeros([1], tl.float32)
@@ -74,29 +72,35 @@ def simt_decode_kernel(
                                          eidx_ptr + tok.to(tl.int64) * etopk, ne, sm_scale_log2,
                                          BLOCK_N, FP8_NATIVE)
 
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453                         # natural log
+    empty, l_safe, lse2 = finish_softmax(l_i, m_i)
+    lse = lse2 * LN2                                                            # natural log
     out = acc / l_safe[:, None]
     if HAS_SINK:
         sink = tl.load(sink_ptr + h + tl.zeros([1], tl.int32))
-        out = out * (1.0 / (1.0 + tl.exp(sink - tl.where(empty, 0.0, lse))))[:, None]
+        out = out * sink_factor(sink, lse, empty)[:, None]
     out = tl.where(empty[:, None], 0.0, out)
     lse = tl.where(empty, float("inf"), lse)
-    tl.store(out_ptr + (tok.to(tl.int64) * h_q + h) * 512 + col, to_bf16(out))
+    tl.store(out_ptr + (tok.to(tl.int64) * h_q + h) * DIM + col, to_bf16(out))
     tl.store(lse_ptr + (b * h_q + h) * s_q + s + tl.arange(0, 1), lse)
 
 
+#: tokens per tile and warps of the SIMT kernel's launch
+BLOCK_N = 16
+NUM_WARPS = 4
+
+
 def simt_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, topk_length=None,
-                       extra_k_cache=None, extra_indices=None, extra_topk_length=None,
-                       block_n: int = 16, num_warps: int = 4):
-    """Launch the SIMT kernel. Arguments as :func:`mla.sparse_decode` (checked there)."""
+                       extra_k_cache=None, extra_indices=None, extra_topk_length=None, *, out=None, lse=None):
+    """Launch the SIMT kernel. Arguments as :func:`mla.sparse_decode` (checked there); ``out``
+    and ``lse``, if given, are written in place."""
     b, s_q, h_q, _ = q.shape
     scale = D_QK ** -0.5 if softmax_scale is None else float(softmax_scale)
     q = q.contiguous()
     indices = indices.contiguous()
-    out = torch.empty(b, s_q, h_q, D_QK, dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty(b, s_q, h_q, D_QK, dtype=torch.bfloat16, device=q.device)
+    if lse is None:
+        lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=q.device)
     kc, kst, kp, kn = cache_args(k_cache)
     has_extra = extra_k_cache is not None
     if has_extra:
@@ -111,7 +115,7 @@ def simt_sparse_decode(q, k_cache, indices, softmax_scale=None, attn_sink=None, 
         ec, est, ep, en, eidx, etopk, extra_topk_length if extra_topk_length is not None else indices,
         s_q, h_q, scale * LOG2E,
         HAS_SINK=attn_sink is not None, HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra,
-        HAS_ELEN=extra_topk_length is not None, BLOCK_N=block_n, FP8_NATIVE=fp8_native(q.device),
-        num_warps=num_warps,
+        HAS_ELEN=extra_topk_length is not None, BLOCK_N=BLOCK_N, FP8_NATIVE=fp8_native(q.device),
+        num_warps=NUM_WARPS,
     )
     return out, lse

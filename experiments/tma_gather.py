@@ -1,24 +1,35 @@
 """Dev tool (GPU, sm_90): a copy-only gather through Hopper's TMA engine, to set beside
-scripts/gather_ceiling.py's plain loads. Each token's 576 data bytes are TMA copies (boxes
+experiments/gather_ceiling.py's plain loads. Each token's 576 data bytes are TMA copies (boxes
 of 8-byte elements over the cache viewed as 576-byte rows: the page stride is a
 multiple of 576; two copies, of 512 and 64 bytes, as Triton takes only box sides that are powers
 of 2) and its scale row one 16-byte copy (the aligned 16 bytes that hold it); a
 program keeps NST groups of G tokens in flight on one mbarrier each and waits for nothing else.
 Nothing is decoded and nothing computed: the time is the gather's alone. Timed like the record
 (CUDA graph, median) at SHAPES over the comma lists GS, NSTS, WARPS, SPLITS; writes
-tma_gather.json to $OUT. As written it is issue-bound, 5 to 28x slower than plain loads at
-V4-TP8 b128 and no faster with more groups in flight (results/h200/tma_gather_probe_r27c.json):
-one thread issues every copy, each index comes out of a cross-lane reduction, and the
-descriptors are not prefetched."""
-import torch
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+tma_gather.json to $OUT. As written it is issue-bound, several times slower than plain loads
+and no faster with more groups in flight (results/h200/ holds the runs): one thread issues
+every copy, each index comes out of a cross-lane reduction, and the descriptors are not
+prefetched.
 
-from gather_ceiling import sweep, token_range
+    SHAPES=V4-TP8:128 GS=8,16 NSTS=2,4 WARPS=1 SPLITS=1,5 OUT=out python experiments/tma_gather.py
+"""
+import argparse
+import pathlib
+import sys
 
-_cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import mla  # noqa: E402  (first: it may turn Triton's interpreter on)
+import torch  # noqa: E402
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma  # noqa: E402
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
+
+from experiments.gather_ceiling import sweep, token_range  # noqa: E402
+from mla.kernels.gluon_sm90.compat import cta_barrier as _cta_barrier  # noqa: E402
 
 
 @gluon.jit
@@ -112,6 +123,13 @@ def gather(q, k_cache, indices, extra_k_cache=None, extra_indices=None, g=16, ns
     return out
 
 
-if __name__ == "__main__":
+def main(argv=None):
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
+    if mla.INTERPRET:
+        sys.exit("tma_gather: needs a Hopper GPU (sm_90); here mla runs Triton's CPU interpreter")
     sweep(gather, [("g", "GS", "8,16"), ("nst", "NSTS", "2,4"), ("warps", "WARPS", "1,4"),
                    ("splits", "SPLITS", "1,2,5")], "tma_gather.json", default_shapes="V4-TP8:128")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,37 +1,82 @@
-"""One device call: validate SIMT and MMA on the GPU, capture MMA in a CUDA graph, and sweep
-MMA configs at the SPEC's shapes. Writes JSON to $OUT (or ./out). Dev tool, GPU only."""
+"""Dev tool (GPU), one device call: validate SIMT and the tensor-core decode ("mma", the launch
+rule's pick) on the GPU against the float64 reference, capture the decode in a CUDA graph, and
+sweep configs of the portable tl.dot kernel (:class:`mla.configs.TlDotConfig`) at the SPEC's
+shapes, writing the best per head bucket as a candidate table (h200.json, tl.dot only). Writes
+device_mma.json and log.txt to $OUT (or ./out).
+
+PHASES: a comma list of correct, sweep, correct_cfg (every swept config through
+:mod:`mla.validate`; N_ODD odd cases), bench (:func:`mla.bench.run` of IMPLS with the candidate
+table). SWEEP: JSON {"h64": [TlDotConfig kwargs...], "h16": [...]}, e.g. the lists in
+experiments/sweep_*.json; PLAN: the shapes swept (small, mid, big, all, or the default mix);
+AUTO=1 also times the launch rule's own pick.
+
+The bf16-operand impls (``dot="bf16"``, ``p_split``), the sweep's ablation row (``ablate``,
+NO_ABLATE) and the ``ctas_per_sm`` / ``partial_fp16`` config keys (with VALIDATE_NEW_ONLY) are
+gone with those config fields; their code is at commit 38a926e.
+
+    PHASES=correct,sweep SWEEP="$(cat experiments/sweep_small.json)" PLAN=small OUT=out \
+        python experiments/device_mma.py
+"""
+import argparse
 import dataclasses
 import json
+import math
 import os
 import pathlib
+import sys
 import time
 
-import torch
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-import mla
-from mla import bench, configs
-from mla.bench import Case, Shape
-from mla.kernels.mma import MMAConfig, mma_sparse_decode
-from mla.validate import check_against_reference, poison_allocator, poison_unreferenced
+import mla  # noqa: E402  (first: it may turn Triton's interpreter on)
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from mla import api, bench, configs, dispatch  # noqa: E402
+from mla.bench import Case, Shape  # noqa: E402
+from mla.configs import TlDotConfig  # noqa: E402
+from mla.validate import check_against_reference, poison_allocator, poison_unreferenced  # noqa: E402
 
 OUT = pathlib.Path(os.environ.get("OUT", "out"))
-OUT.mkdir(parents=True, exist_ok=True)
 dev = torch.device("cuda")
-log = open(OUT / "log.txt", "a")
+_log = None
 
 
 def say(*a):
+    """Print a line and append it to $OUT/log.txt (opened at the first line)."""
+    global _log
     s = " ".join(str(x) for x in a)
     print(s, flush=True)
-    log.write(s + "\n")
-    log.flush()
+    if _log is None:
+        OUT.mkdir(parents=True, exist_ok=True)
+        _log = open(OUT / "log.txt", "a")
+    _log.write(s + "\n")
+    _log.flush()
+
+
+def forced(config=None, splits=None):
+    """A decode with the signature of :func:`mla.sparse_decode` that runs ``config`` (a
+    :class:`~mla.configs.TlDotConfig` or :class:`~mla.configs.GluonConfig`; None: the launch
+    rule's pick) with ``splits`` (None: the launch rule's count), through a plan made per call."""
+    def fn(q, k_cache, indices, **kw):
+        plan = mla.plan(q, k_cache, indices, **kw, config=config, splits=splits)
+        return mla.sparse_decode(q, k_cache, indices, **kw, plan=plan)
+    return fn
+
+
+def caller(case, config=None, splits=None):
+    """``call(i)`` for :func:`mla.bench.time_graph`: the decode of ``case``'s index set ``i``
+    with ``config`` and ``splits`` forced (as :func:`forced`), through one plan made here, as a
+    serving step would."""
+    plan = mla.plan(case.q, case.cache, case.index_sets[0], **case.kwargs(0), config=config, splits=splits)
+    return lambda i: mla.sparse_decode(case.q, case.cache, case.index_sets[i], **case.kwargs(i), plan=plan)
 
 
 IMPLS = {
     "simt": lambda *a, **k: mla.sparse_decode(*a, **k, impl="simt"),
     "mma": lambda *a, **k: mla.sparse_decode(*a, **k, impl="mma"),
-    "mma-bf16": lambda *a, **k: mma_sparse_decode(*a, **k, config=MMAConfig(dot="bf16")),
-    "mma-bf16-psplit": lambda *a, **k: mma_sparse_decode(*a, **k, config=MMAConfig(dot="bf16", p_split=True)),
 }
 
 
@@ -111,12 +156,13 @@ def graph_test():
 
 
 def _candidates():
-    """Configs to sweep: $SWEEP (JSON {"h64": [MMAConfig kwargs...], "h16": [...]}) or the defaults."""
+    """Configs to sweep: $SWEEP (JSON {"h64": [TlDotConfig kwargs...], "h16": [...]}) or the defaults."""
     spec = json.loads(os.environ.get("SWEEP", "null") or "null")
     if spec is None:
-        return ([MMAConfig(), MMAConfig(num_stages=2), MMAConfig(block_n=32), MMAConfig(dot="bf16")],
-                [MMAConfig(16, 64, 8), MMAConfig(16, 64, 4), MMAConfig(16, 32, 8), MMAConfig(16, 64, 8, num_stages=2)])
-    return [MMAConfig(**k) for k in spec["h64"]], [MMAConfig(**k) for k in spec["h16"]]
+        return ([TlDotConfig(), TlDotConfig(num_stages=2), TlDotConfig(block_n=32)],
+                [TlDotConfig(16, 64, 8), TlDotConfig(16, 64, 4), TlDotConfig(16, 32, 8),
+                 TlDotConfig(16, 64, 8, num_stages=2)])
+    return [TlDotConfig(**k) for k in spec["h64"]], [TlDotConfig(**k) for k in spec["h16"]]
 
 
 def correct_configs(results):
@@ -124,11 +170,7 @@ def correct_configs(results):
     from mla import validate
 
     h64, h16 = _candidates()
-    fns = {}
-    for cfg in h64 + h16:
-        if os.environ.get("VALIDATE_NEW_ONLY") and cfg.dv_halves == 1 and not cfg.partial_fp16:
-            continue
-        fns[str(cfg)] = lambda *a, _c=cfg, **k: mma_sparse_decode(*a, **k, config=_c)
+    fns = {str(cfg): forced(cfg) for cfg in h64 + h16}
     cases = validate.quick_cases() + validate.odd_cases()[:int(os.environ.get("N_ODD", "10"))]
     rep = validate.validate(fns, cases, progress=False)
     s = rep.summary
@@ -163,25 +205,23 @@ def sweep(ceil, results):
     score = {}
     for s, cfgs in plan:
         case = Case(s, dev, pool_bytes=2e9, n_sets=16)
-        extra = [] if os.environ.get("NO_ABLATE") else [dataclasses.replace(cfgs[0], ablate=1)]
         if os.environ.get("AUTO"):
-            us = bench.time_graph(case, lambda *a, **k: mla.sparse_decode(*a, **k, impl="mma"))
+            us = bench.time_graph(case, case.caller("mma"))
             rec = bench.record(s, "mma", us, None, ceil)
             rec["config"] = "auto (mla.sparse_decode default)"
             results["sweep"].append(rec)
             say(f"{s.name:7s} b{s.b:<4d} {us:8.1f} us roof {rec['roofline']:.2f} auto")
-        for i, cfg in enumerate(cfgs + extra):
+        for cfg in cfgs:
             c2 = cfg.for_heads(s.h_q)
             try:
-                us = bench.time_graph(case, lambda *a, _c=c2, **k: mma_sparse_decode(*a, **k, config=_c))
+                us = bench.time_graph(case, caller(case, c2))
                 rec = bench.record(s, "mma", us, None, ceil)
                 rec["config"] = dataclasses.asdict(c2)
                 results["sweep"].append(rec)
                 fm = bench.FLASHMLA_H200_US.get((s.name, s.b))
                 say(f"{s.name:7s} b{s.b:<4d} {us:8.1f} us roof {rec['roofline']:.2f} FlashMLA {fm}  {c2}")
-                if i < len(cfgs) and cfg.dot == "fp16":   # candidates for the shipped table: accurate ones only
-                    key = (16 if s.h_q <= 16 else 64, cfg)
-                    score[key] = score.get(key, 0.0) + __import__("math").log(us)
+                key = (16 if s.h_q <= 16 else 64, cfg)      # a candidate for the shipped table
+                score[key] = score.get(key, 0.0) + math.log(us)
             except Exception as e:  # noqa: BLE001
                 say(f"{s.name} b{s.b} {c2}: ERROR {type(e).__name__}: {str(e)[:300]}")
         del case
@@ -193,15 +233,18 @@ def sweep(ceil, results):
     if 16 not in best or 64 not in best:
         return None
     table = {16: best[16][0], 32: dataclasses.replace(best[16][0], block_h=32), 64: best[64][0], 128: best[64][0]}
-    path = OUT / "h200.json"
-    configs.write(path, torch.cuda.get_device_name(), __import__("triton").__version__, table,
-                  measured="scripts/device_mma.py sweep (geometric mean of CUDA-graph us over its shapes)")
+    path = OUT / "h200.json"        # tl.dot only ("gluon": false): a bench phase after it times tl.dot
+    configs.write(path, torch.cuda.get_device_name(), triton.__version__, table,
+                  measured="experiments/device_mma.py sweep (geometric mean of CUDA-graph us over its shapes)")
     say("candidate table", {k: str(v) for k, v in table.items()})
     return path
 
 
-def main():
-    say("torch", torch.__version__, "triton", __import__("triton").__version__, torch.cuda.get_device_name())
+def main(argv=None):
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
+    if mla.INTERPRET:
+        sys.exit("device_mma: needs a CUDA GPU; here mla runs Triton's CPU interpreter")
+    say("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())
     phases = os.environ.get("PHASES", "correct,sweep").split(",")
     results = {"correctness": {}, "sweep": []}
     t0 = time.time()
@@ -223,11 +266,14 @@ def main():
     say("ceilings", ceil)
     if "sweep" in phases:
         path = sweep(ceil, results)
-        if path:
+        if path:        # the candidate table from here on: drop the launch rule's cached tables and plans
             os.environ["MLA_CONFIG_FILE"] = str(path)
             configs.table_for.cache_clear()
-            configs.hopper_for.cache_clear()
+            configs.gluon_for.cache_clear()
+            dispatch._device_facts.cache_clear()
+            api._PLANS.clear()
     results["provenance"] = bench.provenance(ceil)
+    OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "device_mma.json").write_text(json.dumps(results, indent=1))
     if "correct_cfg" in phases:
         results["config_validation_ok"] = correct_configs(results)

@@ -8,22 +8,33 @@ read as a stream). Writes gather_ceiling.json to $OUT. KIND=noop times calls of 
 kernels instead (launch_floor.json), KIND=decode the decode itself (decode_order.json).
 
 It is not a ceiling: each tile's index load and gather run in series, with no pipelining, and
-Nsight Compute finds it bound by issuing its own instructions (results/h200/ncu_r28b/). Its best
-at V4-TP8 b128, 23.4 us (4-token tiles, 4 warps, 20 splits), is the same with runs of
-consecutive tokens (results/h200/gather_probe_r28a.json), so DRAM is not what holds it back."""
+Nsight Compute finds it bound by issuing its own instructions. Its best choice at V4-TP8 b128
+takes as long with runs of consecutive tokens as with the random lists, so DRAM is not what
+holds it back (the runs are in results/h200/).
+
+    KIND=gather SHAPES=V4-TP8:128 BTS=4,8 WARPS=4 SPLITS=10,20 ORDER=random,runs OUT=out \
+        python experiments/gather_ceiling.py
+"""
+import argparse
+import functools
 import itertools
 import json
 import os
 import pathlib
+import sys
 
-import torch
-import triton
-import triton.language as tl
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-import mla
-from mla import bench
-from mla.bench import Case
-from mla.kernels.common import cache_args
+import mla  # noqa: E402  (first: it may turn Triton's interpreter on)
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from mla import bench  # noqa: E402
+from mla.bench import Case  # noqa: E402
+from mla.kernels.common import cache_args  # noqa: E402
 
 
 @triton.jit
@@ -39,7 +50,7 @@ def _rows(pos, lo_ok, idx_row, n_idx, P, stride):
 @triton.jit
 def token_range(sp, splits, total, BT: tl.constexpr):
     """The tokens ``[lo, hi)`` of a query's list (main cache, then extra) that program ``sp`` of
-    ``splits`` copies, in whole tiles of ``BT``. Scalar code, shared with scripts/tma_gather.py's
+    ``splits`` copies, in whole tiles of ``BT``. Scalar code, shared with experiments/tma_gather.py's
     Gluon kernel."""
     per = ((total + BT - 1) // BT + splits - 1) // splits * BT
     lo = sp * per
@@ -120,7 +131,7 @@ def sweep(fn, axes, out_name, default_shapes="V4-TP8:128,V4-TP8:32"):
             tag = {} if order == "random" else {"order": order}
             name = f"{s.name} b{s.b} " + " ".join(f"{k} {v}" for k, v in {**opts, **tag}.items())
             try:
-                us = bench.time_graph(case, lambda *a, _k=opts, **k: fn(*a, **k, **_k))
+                us = bench.time_graph(case, lambda i, _c=case, _f=functools.partial(fn, **opts): _c.call(_f, i))
             except Exception as e:  # noqa: BLE001
                 print(f"{name}: ERROR {type(e).__name__}: {str(e)[:400]}", flush=True)
                 continue
@@ -159,5 +170,11 @@ KINDS = {"gather": (gather, [("bt", "BTS", "32,64"), ("warps", "WARPS", "4,8"), 
          "noop": (noop, [("kernels", "KERNELS", "1,2"), ("splits", "SPLITS", "1,10")], "launch_floor.json"),
          "decode": (decode, [], "decode_order.json")}
 
-if __name__ == "__main__":
+
+def main(argv=None):
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     sweep(*KINDS[os.environ.get("KIND", "gather")])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""FlashMLA's own call for its sparse FP8 decode, on ``mla``: code written against FlashMLA's
+``get_mla_metadata`` and ``flash_mla_with_kvcache`` runs unchanged after
+``import mla.flash_mla as flash_mla``, on any GPU Triton supports (and on the CPU interpreter).
+
+The path it covers is FlashMLA's sparse decode over the DeepSeek-V4 "MODEL1" FP8 cache
+(``d_qk`` 512, 584-byte tokens): ``indices`` given, ``is_fp8_kvcache=True``, ``head_dim_v`` 512.
+Dense decode, the V3.2 cache (``d_qk`` 576) and bf16 caches are refused with a ValueError that
+says so. As in FlashMLA, the metadata object is filled by its first call (here with a
+:class:`mla.Plan`) and later calls only check that they match it; where FlashMLA asserts, this
+raises a ValueError naming the mismatch.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import api
+from .layout import D_QK, D_V, TOKEN_BYTES, fail
+
+#: FlashMLA's V3.2 layout: 576-dim q and k, 656-byte FP8 tokens; not supported here
+_V32_D_QK, _V32_TOKEN_BYTES = 576, 656
+
+
+@dataclasses.dataclass
+class FlashMLASchedMeta:
+    """What FlashMLA's ``get_mla_metadata`` returns: filled by the first call, checked by the
+    later ones. ``plan`` is the :class:`mla.Plan` that call made."""
+
+    @dataclasses.dataclass
+    class Config:
+        b: int
+        s_q: int
+        h_q: int
+        page_block_size: int
+        h_k: int
+        causal: bool
+        is_fp8_kvcache: bool
+        topk: int | None
+        extra_page_block_size: int | None
+        extra_topk: int | None
+
+    have_initialized: bool = False
+    config: Config | None = None
+    plan: api.Plan | None = None
+
+
+def get_mla_metadata(*args, **kwargs) -> tuple[FlashMLASchedMeta, None]:
+    """An empty :class:`FlashMLASchedMeta` (and None, as FlashMLA returns); its first use in
+    :func:`flash_mla_with_kvcache` fills it. The arguments are accepted and ignored, as
+    FlashMLA's are (the old interface took the sequence lengths)."""
+    return FlashMLASchedMeta(), None
+
+
+def _refuse_unsupported(q, k_cache, head_dim_v, num_splits, causal, is_fp8_kvcache, indices, block_table,
+                        cache_seqlens):
+    if num_splits is not None:
+        fail("num_splits", "must be None (FlashMLA's interface keeps it as a placeholder)")
+    if indices is None:
+        fail("indices", "mla.flash_mla covers FlashMLA's sparse decode only: pass indices (the dense decode with "
+                        "block_table and cache_seqlens is not supported)")
+    if block_table is not None or cache_seqlens is not None:
+        fail("block_table" if block_table is not None else "cache_seqlens",
+             "the sparse decode takes token indices, not a block table and sequence lengths: pass None")
+    if causal:
+        fail("causal", "must be False for the sparse decode (as in FlashMLA)")
+    if not is_fp8_kvcache:
+        fail("is_fp8_kvcache", "must be True: mla.flash_mla covers the FP8 MODEL1 cache only (no bf16 caches)")
+    if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[-1] == _V32_D_QK:
+        fail("q", f"head dim {_V32_D_QK} is DeepSeek-V3.2's layout, which mla does not support; mla covers the "
+                  f"DeepSeek-V4 MODEL1 cache (head dim {D_QK}, {TOKEN_BYTES}-byte tokens)")
+    if isinstance(k_cache, torch.Tensor) and k_cache.dim() == 4 and k_cache.shape[-1] == _V32_TOKEN_BYTES:
+        fail("k_cache", f"{_V32_TOKEN_BYTES}-byte tokens are DeepSeek-V3.2's layout, which mla does not support; "
+                        f"mla covers the MODEL1 cache ({TOKEN_BYTES}-byte tokens)")
+    if head_dim_v != D_V:
+        fail("head_dim_v", f"must be {D_V}, got {head_dim_v!r}")
+
+
+def _config(q, k_cache, causal, is_fp8_kvcache, indices, extra_k_cache, extra_indices):
+    return FlashMLASchedMeta.Config(
+        q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2], causal, is_fp8_kvcache,
+        indices.shape[-1], extra_k_cache.shape[1] if extra_k_cache is not None else None,
+        extra_indices.shape[-1] if extra_indices is not None else None)
+
+
+#: the config field each argument's mismatch shows in, in FlashMLA's order of checks
+_FIELD_ARGS = {"b": "q", "s_q": "q", "h_q": "q", "page_block_size": "k_cache", "h_k": "k_cache",
+               "causal": "causal", "is_fp8_kvcache": "is_fp8_kvcache", "topk": "indices",
+               "extra_page_block_size": "extra_k_cache", "extra_topk": "extra_indices_in_kvcache"}
+
+
+def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                           num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None,
+                           attn_sink=None, extra_k_cache=None, extra_indices_in_kvcache=None, topk_length=None,
+                           extra_topk_length=None):
+    """FlashMLA's ``flash_mla_with_kvcache`` for the sparse FP8 MODEL1 path: its names, order,
+    defaults and semantics. Returns ``(out [b, s_q, h_q, 512] bf16, lse [b, h_q, s_q] fp32)``.
+    ``softmax_scale`` defaults to ``q.shape[-1] ** -0.5``."""
+    meta = tile_scheduler_metadata
+    if not isinstance(meta, FlashMLASchedMeta):
+        fail("tile_scheduler_metadata", "must be the FlashMLASchedMeta from mla.flash_mla.get_mla_metadata(), got "
+                                        f"{type(meta).__name__}")
+    _refuse_unsupported(q, k_cache, head_dim_v, num_splits, causal, is_fp8_kvcache, indices, block_table,
+                        cache_seqlens)
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    args = dict(softmax_scale=softmax_scale, attn_sink=attn_sink, topk_length=topk_length,
+                extra_k_cache=extra_k_cache, extra_indices=extra_indices_in_kvcache,
+                extra_topk_length=extra_topk_length)
+    if not meta.have_initialized:
+        api.check_inputs(q, k_cache, indices, **args)
+        meta.config = _config(q, k_cache, causal, is_fp8_kvcache, indices, extra_k_cache, extra_indices_in_kvcache)
+        meta.plan = api.plan(q, k_cache, indices, **args)
+        meta.have_initialized = True
+    else:
+        got = _config(q, k_cache, causal, is_fp8_kvcache, indices, extra_k_cache, extra_indices_in_kvcache)
+        if got != meta.config:
+            for f in dataclasses.fields(got):
+                want, have = getattr(meta.config, f.name), getattr(got, f.name)
+                if want != have:
+                    fail(_FIELD_ARGS[f.name], f"inconsistent with tile_scheduler_metadata: {f.name} was {want!r} at "
+                                              f"its first call, this call has {have!r} (use one metadata object per "
+                                              "shape, as with FlashMLA)")
+        if not meta.plan.fits(q, k_cache, indices, **args):      # e.g. another pool of the same page size
+            meta.plan = api.plan(q, k_cache, indices, **args)
+    return api.sparse_decode(q, k_cache, indices, **args, plan=meta.plan)
+
+
+__all__ = ["FlashMLASchedMeta", "get_mla_metadata", "flash_mla_with_kvcache"]

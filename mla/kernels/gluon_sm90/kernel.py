@@ -1,0 +1,248 @@
+"""The Gluon sm_90 kernel itself: its shared memory, its partitions, its epilogue and its launch.
+
+One program per (query token, head block, split) runs a producer partition
+(:func:`~.ring.producer`, 4 warps, cp.async into a two-stage ring) beside consumers
+(:mod:`.consumers`). Shared memory with 64 heads: Q 64 KB, the tile buffer 64 KB, P 8 KB and
+the ring 2 x 40.5 KB, 217 KB of the H200's 227. The outputs (final, or split partials for
+:mod:`mla.kernels.combine`) are those of the ``tl.dot`` kernel.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+
+from ..common import DIM, LN2, finish_softmax, sink_factor, split_range, to_bf16
+from .compat import cta_barrier, reinterpret
+from .consumers import ROWS_L, ROWS_L4, consumer_heads, consumer_pair, consumer_tokens, load_q_pair
+from .ring import RING_N, producer
+
+#: the consumers of the one-consumer forms (the kernel's num_warps): two warpgroups
+NUM_WARPS = 8
+#: the producer partition's warps: one warpgroup, so that setmaxnreg can apply to it
+PRODUCER_WARPS = gl.constexpr(4)
+#: its registers per thread (it holds addresses only); the consumers then get 232 in the loop
+PRODUCER_REGS = 40
+#: ring stages of 64 tokens. With 64 heads a third stage (40.5 KB) does not fit beside Q, the
+#: tile buffer and P; with 16 heads three fit and were no faster on the H200
+STAGES = 2
+#: the two-consumer form: warps of each consumer (one warpgroup), which are also those of the
+#: kernel's default partition, the producer there
+PAIR_WARPS = gl.constexpr(4)
+#: each consumer's registers per thread in the two-consumer form (the producer gets the rest:
+#: 72); at 232 each consumer's loop spilled under Triton 3.6
+PAIR_REGS = 216
+#: the FP8 ring's byte order in the one-consumer forms: group-major (the 64-byte pieces of one
+#: 64-dim group of all the stage's tokens contiguous), so that a warp's copy or read of 64 bytes
+#: of each of 8 tokens touches 512 contiguous bytes rather than 8 pieces in the same 16 banks;
+#: the two-consumer form, which reads a group for all tokens at once, keeps token-major
+GROUP_MAJOR = 1
+
+
+def launch_options(heads: int, tile_tokens: int, two_consumers: bool) -> dict:
+    """The launch's warps and the kernel's constexprs for a form: ``heads`` per program,
+    ``tile_tokens`` per consumer tile (64 or 128), and whether two consumers share the program
+    (the forms are :data:`mla.configs.GLUON_FORMS`). The launch (:func:`gluon_decode`) and the
+    ahead-of-time variants (:mod:`mla.aot`) both take them from here."""
+    return {"num_warps": PAIR_WARPS.value if two_consumers else NUM_WARPS, "HEADS": heads,
+            "RING_TILES": tile_tokens // RING_N.value, "TWO_CONSUMERS": int(two_consumers), "STAGES": STAGES,
+            "PRODUCER_REGS": PRODUCER_REGS, "CONSUMER_REGS": PAIR_REGS,
+            "GROUP_MAJOR": 0 if two_consumers else GROUP_MAJOR}
+
+
+def row_align(*caches) -> int:
+    """The ``ALIGN`` the kernel takes for these ``(uint8 view, page stride)`` caches, whose base
+    addresses must be multiples of 16 (a fresh allocation's are): 16 when every page stride is
+    a multiple of 16, 8 when of 8, else 0, which the kernel cannot copy. The padded MODEL1
+    stride (``P*584`` rounded up to a multiple of 576) is a multiple of 64; a contiguous cache's
+    (``P*584``, which is what ``.to(device)`` of a padded cache gives: torch copies a tensor with
+    gaps into a contiguous one) is a multiple of 16 only for an even page size."""
+    if any(c.data_ptr() % 16 for c, _ in caches):
+        return 0
+    for a in (16, 8):
+        if all(stride % a == 0 for _, stride in caches):
+            return a
+    return 0
+
+
+@gluon.jit
+def _store_o(ptr, rows, hmask, o, RL: gl.constexpr = ROWS_L):
+    """Store ``o [HEADS, 512]`` at ``ptr + rows*512``, laid out as ``RL`` (:data:`ROWS_L`, or
+    :data:`ROWS_L4` in a 4-warp kernel) for the stores."""
+    o = gl.convert_layout(o, RL)
+    rows = gl.convert_layout(rows, gl.SliceLayout(1, RL))
+    hm = gl.convert_layout(hmask, gl.SliceLayout(1, RL))
+    c = gl.arange(0, DIM, layout=gl.SliceLayout(0, RL))
+    gl.store(ptr + rows[:, None] * DIM + c[None, :], o, mask=hm[:, None])
+
+
+@gluon.jit
+def _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
+              num_splits, HAS_SINK: gl.constexpr, PARTIAL: gl.constexpr, HEADS: gl.constexpr, O_L: gl.constexpr,
+              RL: gl.constexpr = ROWS_L):
+    """Normalize O (in layout ``O_L``) and store it with its LSE: final (sink applied) or a split's
+    partial. O leaves as rows of 16-byte stores, a warp's 32 threads on 512 contiguous bytes (in
+    the heads-as-M wgmma's layout each thread would store 4 bytes at a time)."""
+    heads = hb * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, O_L))
+    hmask = heads < h_q
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
+    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, O_L))
+    empty, l_safe, lse2 = finish_softmax(l_o, m_o)
+    o = o / l_safe[:, None]
+    if PARTIAL:
+        prow = (tok.to(gl.int64) * num_splits + split) * h_q + heads
+        gl.store(plse_ptr + prow, gl.where(empty, float("-inf"), lse2), mask=hmask)
+        _store_o(po_ptr, prow, hmask, o.to(po_ptr.dtype.element_ty), RL)
+    else:
+        lse = lse2 * LN2
+        if HAS_SINK:
+            sink = gl.load(sink_ptr + heads, mask=hmask, other=0.0)
+            o = o * sink_factor(sink, lse, empty)[:, None]
+        o = gl.where(empty[:, None], 0.0, o)
+        _store_o(out_ptr, tok.to(gl.int64) * h_q + heads, hmask, to_bf16(o), RL)
+        gl.store(lse_ptr + (b * h_q + heads) * s_q + s_idx, gl.where(empty, float("inf"), lse), mask=hmask)
+
+
+@gluon.jit(do_not_specialize=["num_splits"])  # one variant for every split count
+def gluon_decode_kernel(
+    q_ptr, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr,
+    kc_ptr, kc_stride, kc_P, kc_n, idx_ptr, topk, len_ptr,
+    ec_ptr, ec_stride, ec_P, ec_n, eidx_ptr, etopk, elen_ptr,
+    s_q, h_q, sm_scale_log2, num_splits,
+    HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_ELEN: gl.constexpr,
+    PARTIAL: gl.constexpr, ALIGN: gl.constexpr, HEADS: gl.constexpr, RING_TILES: gl.constexpr,
+    TWO_CONSUMERS: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    GROUP_MAJOR: gl.constexpr,
+):
+    """One program per (query token, ``HEADS`` heads, split), in a form of
+    :data:`mla.configs.GLUON_FORMS` (:func:`launch_options` gives its constexprs): ``HEADS`` 64,
+    heads as the M of the dots; 16 or 8, tokens as M, with tiles of ``RING_TILES`` ring tiles;
+    ``TWO_CONSUMERS`` (8 heads), two consumer warpgroups. ``STAGES``: ring stages;
+    ``PRODUCER_REGS``: the producer's registers when it is a worker; ``CONSUMER_REGS``: each of
+    the two consumers'; ``GROUP_MAJOR``: the FP8 ring's byte order; ``ALIGN``: the width of the
+    ring's copies (:func:`row_align`)."""
+    if TWO_CONSUMERS:
+        gl.static_assert(HEADS == 8 and RING_TILES == 1, "two consumers: 8 heads x 64 tokens (16 heads take 235 KB)")
+    else:
+        gl.static_assert((HEADS == 64 and RING_TILES == 1) or (HEADS == 16 and RING_TILES == 1)
+                         or (HEADS == 8 and RING_TILES == 2),
+                         "heads x tile: 64 x 64 (heads as M), 16 x 64 or 8 x 128 (tokens as M)")
+    OUT: gl.constexpr = gl.float16
+    PW: gl.constexpr = PRODUCER_WARPS
+    Q_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEADS, DIM], OUT)
+    K_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([RING_TILES * RING_N, DIM], OUT)
+    P_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEADS, RING_TILES * RING_N], OUT)
+    # vec 16: 16 contiguous elements per copy; Triton 3.9 sizes its cp.async by it (with vec 1
+    # it copies 8 bytes), 3.6 compiles the same SASS either way.
+    R3: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 1, [2, 1, 0])
+    RN: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 1, [2, 0, 1] if GROUP_MAJOR else [2, 1, 0])
+    R2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+
+    hb = gl.program_id(0)
+    split = gl.program_id(1)
+    tok = gl.program_id(2)
+    b = tok // s_q
+    s_idx = tok - b * s_q
+    n1, tiles1, n2, lo, hi = split_range(b, split, topk, len_ptr, etopk, elen_ptr, num_splits, RING_N, HAS_LEN,
+                                         HAS_EXTRA, HAS_ELEN)
+    if RING_TILES > 1:   # each split takes a multiple of RING_TILES ring tiles
+        tiles = tiles1 + (n2 + RING_N - 1) // RING_N
+        per = ((tiles + num_splits - 1) // num_splits + RING_TILES - 1) // RING_TILES * RING_TILES
+        lo = split * per
+        hi = gl.minimum(lo + per, tiles)
+    idx_main = idx_ptr + tok.to(gl.int64) * topk
+    idx_extra = eidx_ptr + tok.to(gl.int64) * etopk
+
+    nope_r = gl.allocate_shared_memory(gl.uint8, [STAGES, RING_N, 8, 64], RN)
+    rope_r = gl.allocate_shared_memory(gl.bfloat16, [STAGES, RING_N, 1, 64], R3)
+    sc_r = gl.allocate_shared_memory(gl.uint8, [STAGES, RING_N, 8], R2)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=PW * 32)
+        mbarrier.init(empty.index(i), count=1)
+
+    if TWO_CONSUMERS:
+        q_smem = gl.allocate_shared_memory(OUT, [HEADS, DIM], Q_S)
+        k0_smem = gl.allocate_shared_memory(OUT, [RING_N, DIM], K_S)
+        k1_smem = gl.allocate_shared_memory(OUT, [RING_N, DIM], K_S)
+        p0_smem = gl.allocate_shared_memory(OUT, [HEADS, RING_N], P_S)
+        p1_smem = gl.allocate_shared_memory(OUT, [HEADS, RING_N], P_S)
+        xml_smem = gl.allocate_shared_memory(gl.float32, [4, HEADS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        # each consumer's O^T, handed over in its own tile buffer once its last P.V is done
+        X_S: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        x0_smem = reinterpret(k0_smem, gl.float32, [DIM, HEADS], X_S)
+        x1_smem = reinterpret(k1_smem, gl.float32, [DIM, HEADS], X_S)
+        load_q_pair(q_ptr, tok, h_q, hb, q_smem, HEADS)
+    else:
+        q_smem = gl.allocate_shared_memory(OUT, [HEADS, DIM], Q_S)
+        k_smem = gl.allocate_shared_memory(OUT, [RING_TILES * RING_N, DIM], K_S)
+        p_smem = gl.allocate_shared_memory(OUT, [HEADS, RING_TILES * RING_N], P_S)
+    fence_async_shared()
+    cta_barrier()
+
+    if TWO_CONSUMERS:
+        # the producer is the default partition (it gets the registers the consumers leave)
+        gl.warp_specialize([
+            (producer, (nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n,
+                        idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, HAS_EXTRA, ALIGN, STAGES, PW,
+                        1)),
+            (consumer_pair, (0, x0_smem, xml_smem, q_smem, k0_smem, p0_smem, nope_r, rope_r, sc_r, ready, empty,
+                             lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P,
+                             ec_n, idx_extra, n2, sm_scale_log2, HAS_EXTRA, ALIGN, STAGES, HEADS)),
+            (consumer_pair, (1, x1_smem, xml_smem, q_smem, k1_smem, p1_smem, nope_r, rope_r, sc_r, ready, empty,
+                             lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P,
+                             ec_n, idx_extra, n2, sm_scale_log2, HAS_EXTRA, ALIGN, STAGES, HEADS)),
+        ], [PAIR_WARPS, PAIR_WARPS], [CONSUMER_REGS, CONSUMER_REGS])
+        # merge the two consumers' online-softmax states
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, HEADS, 16])
+        m0 = xml_smem.index(0).load(gl.SliceLayout(0, ACC))
+        l0 = xml_smem.index(1).load(gl.SliceLayout(0, ACC))
+        m1 = xml_smem.index(2).load(gl.SliceLayout(0, ACC))
+        l1 = xml_smem.index(3).load(gl.SliceLayout(0, ACC))
+        ot0 = x0_smem.load(ACC)
+        ot1 = x1_smem.load(ACC)
+        m_i = gl.maximum(m0, m1)
+        m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
+        a0 = gl.exp2(m0 - m_safe)
+        a1 = gl.exp2(m1 - m_safe)
+        l_i = l0 * a0 + l1 * a1
+        o = gl.convert_layout(gl.permute(ot0 * a0[None, :] + ot1 * a1[None, :], (1, 0)), ROWS_L4)
+        _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
+                  num_splits, HAS_SINK, PARTIAL, HEADS, ROWS_L4, ROWS_L4)
+    elif HEADS == 64:
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                      instr_shape=[16, 256, 16])
+        m_i, l_i, o = gl.warp_specialize([
+            (consumer_heads, (q_ptr, tok, h_q, hb, q_smem, k_smem, p_smem, nope_r, rope_r, sc_r, ready, empty, lo,
+                              hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
+                              idx_extra, n2, sm_scale_log2, HAS_EXTRA, ALIGN, STAGES, HEADS)),
+            (producer, (nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n,
+                        idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, HAS_EXTRA, ALIGN, STAGES, PW,
+                        1)),
+        ], [PW], [PRODUCER_REGS])
+        _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
+                  num_splits, HAS_SINK, PARTIAL, HEADS, O_L)
+    else:
+        # O^T back to [HEADS, 512], in the layout of the epilogue's row-wise stores.
+        m_i, l_i, ot = gl.warp_specialize([
+            (consumer_tokens, (q_ptr, tok, h_q, hb, q_smem, k_smem, p_smem, nope_r, rope_r, sc_r, ready, empty, lo,
+                               hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P,
+                               ec_n, idx_extra, n2, sm_scale_log2, HAS_EXTRA, ALIGN, STAGES, HEADS, RING_TILES)),
+            (producer, (nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n,
+                        idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, HAS_EXTRA, ALIGN, STAGES, PW,
+                        RING_TILES)),
+        ], [PW], [PRODUCER_REGS])
+        o = gl.convert_layout(gl.permute(ot, (1, 0)), ROWS_L)
+        _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
+                  num_splits, HAS_SINK, PARTIAL, HEADS, ROWS_L)
+
+
+def launch_params(n_tokens: int, h_q: int, splits: int, *, heads: int, tile_tokens: int, two_consumers: bool,
+                  align: int) -> tuple:
+    """(grid, constexpr and launch keywords) of the kernel in a form (:func:`launch_options`) for
+    ``n_tokens`` query tokens, besides the HAS_* / PARTIAL flags of
+    :func:`mla.kernels.common.decode_args`."""
+    return ((h_q + heads - 1) // heads, splits, n_tokens), dict(ALIGN=align, **launch_options(heads, tile_tokens,
+                                                                                               two_consumers))

@@ -1,0 +1,84 @@
+"""The producer side of the Gluon kernel: which cache bytes a token tile needs, and their copy
+into the shared-memory ring.
+
+The producer partition holds addresses only. For each 64-token ring tile it waits until the
+consumers have released the stage (``empty``), issues ``cp.async`` copies of the tile's raw
+bytes (FP8 nope, bf16 rope, UE8M0 scales; invalid tokens zero-filled) into it, and each copying
+thread arrives on the stage's ``ready`` barrier once its own copies have landed.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+from ..common import NOPE, NOPE_TILES, tile_source, token_rows
+from .compat import cp_async
+
+#: tokens per ring stage
+RING_N = gl.constexpr(64)
+
+
+@gluon.jit
+def tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
+              ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2,
+              BLOCK_N: gl.constexpr, HAS_EXTRA: gl.constexpr, ROW_L: gl.constexpr, ALIGN: gl.constexpr):
+    """Token tile ``ti`` of the query's list (main cache's tiles, then the extra cache's): the
+    cache it comes from and, per position in layout ``ROW_L``, (valid, data row, scale row); a
+    tile at or past ``hi`` is all invalid. ``ALIGN`` (16 or 8, :func:`~.kernel.row_align`) is what
+    the caches' page strides are multiples of, so each token's row too (the base addresses are
+    multiples of 16; a row is 576 bytes, a scale row 8): the width of the ring's cp.async copies.
+    The stride is rebuilt as a multiple of ``ALIGN`` because Triton specializes an integer argument
+    on divisibility by 16 only: from a stride of 8 it compiled the copies as 1-byte transfers,
+    which cp.async does not have."""
+    cache, idx_row, t, n, n_tokens, P, stride = tile_source(ti, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
+                                                            ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, HAS_EXTRA)
+    stride = (stride // ALIGN) * ALIGN      # the same value, in a form whose alignment Triton can see
+    n = gl.where(ti < hi, n, 0)
+    valid, row, srow = token_rows(idx_row, t * BLOCK_N + gl.arange(0, BLOCK_N, layout=ROW_L), n, n_tokens, P,
+                                  stride)
+    return cache, valid, row, srow
+
+
+@gluon.jit
+def _copy_tile(stage, cache, valid, row, srow, L3: gl.constexpr):
+    """Issue the asynchronous copies (cp.async, no registers held) of one token tile's raw bytes
+    into ring stage ``stage``: the FP8 bytes as ``[BLOCK_N, 8, 64]`` (group 7 zero-filled), the
+    bf16 rope ``[BLOCK_N, 1, 64]`` and the scale row ``[BLOCK_N, 8]``, with the copying threads laid
+    out as ``L3``: a warp instruction copies 64 bytes of each of 8 tokens. Invalid tokens are
+    zero-filled."""
+    nope_s, rope_s, sc_s = stage
+    g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+    j = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    v2 = valid[:, None]
+    v3 = v2[:, :, None]
+    cp_async(
+        nope_s, cache + row[:, None, None] + (g * 64)[None, :, None] + j[None, None, :],
+        mask=v3 & (g < NOPE_TILES)[None, :, None])
+    cp_async(sc_s, cache + srow[:, None] + g[None, :], mask=v2)
+    cp_async(
+        rope_s, (cache + row + NOPE).to(gl.pointer_type(gl.bfloat16))[:, None, None] + j[None, None, :], mask=v3)
+
+
+@gluon.jit
+def producer(nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
+             ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, HAS_EXTRA: gl.constexpr, ALIGN: gl.constexpr,
+             STAGES: gl.constexpr, WARPS: gl.constexpr, RING_TILES: gl.constexpr):
+    """The producer partition: copies each tile's raw bytes into the ring once the consumers have
+    read the stage's previous tile. The next tile's indices are loaded before the wait. For
+    consumer tiles of ``RING_TILES`` ring tiles it copies a multiple of ``RING_TILES`` (tiles at
+    or past ``hi`` all invalid: zero-filled)."""
+    LP: gl.constexpr = gl.BlockedLayout([1, 8, 16], [8, 1, 4], [WARPS, 1, 1], [2, 1, 0])
+    RP: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, LP))
+    cache, valid, row, srow = tile_rows(lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
+                                        ec_stride, ec_P, ec_n, idx_extra, n2, RING_N, HAS_EXTRA, RP, ALIGN)
+    for ti in range(lo, lo + (hi - lo + RING_TILES - 1) // RING_TILES * RING_TILES):
+        j = ti - lo
+        st = j % STAGES
+        mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)
+        _copy_tile((nope_r.index(st), rope_r.index(st), sc_r.index(st)), cache, valid, row, srow, LP)
+        async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
+        cache, valid, row, srow = tile_rows(ti + 1, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
+                                            ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, RING_N, HAS_EXTRA, RP,
+                                            ALIGN)

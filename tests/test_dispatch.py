@@ -1,0 +1,72 @@
+"""The launch rule (mla.dispatch) picks what the code before the layered package picked: the same
+kernel, form, config and split count over a grid of 2880 (GPU, SMs, b, s_q, h_q, topk, extra
+topk, alignment) cases, held to the table that tests/fixtures/make_launch_choices.py wrote from
+that code (38a926e). Nothing here needs a GPU."""
+import json
+import pathlib
+
+import pytest
+
+from mla import configs, dispatch
+from mla.configs import GLUON_FORMS
+
+FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "launch_choices.json"
+
+
+def _rows():
+    data = json.loads(FIXTURE.read_text())
+    cc, ch = data["case_columns"], data["choice_columns"]
+    return [(dict(zip(cc, r[:len(cc)])), {k: v for k, v in zip(ch, r[len(cc):]) if v is not None})
+            for r in data["rows"]]
+
+
+#: the old code's names of the Gluon forms (the fixture's), and today's
+OLD_FORMS = {"heads as M": "heads as M", "tokens as M 16x64": "tokens as M, 16 x 64",
+             "tokens as M 8x128": "tokens as M, 8 x 128", "tokens as M two consumers": "tokens as M, two consumers"}
+
+
+def _choice(cfg, splits) -> dict:
+    if cfg.kernel == "gluon":
+        old = {v: k for k, v in OLD_FORMS.items()}[cfg.form]
+        return {"kernel": "gluon", "form": old, "block_h": cfg.block_h, "block_n": cfg.block_n, "splits": splits}
+    return {"kernel": "tl_dot", "block_h": cfg.block_h, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
+            "num_stages": cfg.num_stages, "dv_halves": cfg.dv_halves, "splits": splits}
+
+
+def test_the_fixture_covers_enough_cases_and_every_kernel_and_form():
+    rows = _rows()
+    assert len(rows) >= 500
+    forms = {c.get("form") for _, c in rows if c["kernel"] == "gluon"}
+    assert forms == set(OLD_FORMS) and set(OLD_FORMS.values()) == set(GLUON_FORMS)
+    assert {c.get("dv_halves") for _, c in rows if c["kernel"] == "tl_dot"} == {1, 2}
+    assert len({(r["gpu"], r["sms"]) for r, _ in rows}) >= 6 and {r["aligned"] for r, _ in rows} == {True, False}
+
+
+def test_the_launch_rule_picks_what_it_picked_before():
+    wrong = []
+    for case, want in _rows():
+        table = configs.table_for(case["gpu"], "3.6", case["arch"])[1]
+        gluon = dispatch.gluon_sm90 is not None and configs.gluon_for(case["gpu"], "3.6", case["arch"])
+        cfg, splits = dispatch.decide(table, gluon, case["sms"], case["b"], case["s_q"], case["h_q"],
+                                      case["topk"] + case["extra_topk"], 16 if case["aligned"] else 0)
+        got = _choice(cfg, splits)
+        if got != want:
+            wrong.append((case, want, got))
+    assert not wrong, f"{len(wrong)} cases differ, e.g. {wrong[:3]}"
+
+
+@pytest.mark.parametrize("b,s_q,h_q,total,block_h,block_n,dv,sms", [
+    (1, 1, 64, 2048, 64, 64, 1, 132), (128, 1, 8, 640, 8, 128, 1, 132), (3, 2, 20, 77, 32, 64, 2, 108),
+    (256, 1, 128, 2048, 64, 64, 1, 170), (1, 1, 1, 1, 16, 16, 1, 4)])
+def test_num_splits_is_plain_integer_arithmetic(b, s_q, h_q, total, block_h, block_n, dv, sms):
+    """The split count, recomputed here from its cost model with exact fractions: the cheapest
+    split, the fewest on a tie."""
+    import math
+    from fractions import Fraction
+
+    progs = b * s_q * math.ceil(h_q / block_h) * dv
+    tiles = max(1, math.ceil(total / block_n))
+    costs = {s: math.ceil(progs * s / sms) * math.ceil(tiles / s) + (Fraction(1, 2) if s > 1 else 0)
+             + Fraction(s, 100) for s in range(1, tiles + 1)}
+    want = min(costs, key=lambda s: (costs[s], s))
+    assert dispatch.num_splits(b, s_q, h_q, total, block_h, block_n, dv, sms) == want

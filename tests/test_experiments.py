@@ -1,0 +1,38 @@
+"""Every module in experiments/ still imports against the package: each probe script prints its
+usage with ``--help`` and exits 0 without a GPU (the work sits under ``__main__``), and the
+library modules (no ``__main__``) import in-process."""
+import importlib
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXPERIMENTS = ROOT / "experiments"
+#: modules that other code imports (tests, notebooks), not scripts: no ``__main__``, no ``--help``
+LIBRARIES = ("broken_decodes", "autotune_demos")
+SCRIPTS = sorted(p.stem for p in EXPERIMENTS.glob("*.py") if p.stem != "__init__" and p.stem not in LIBRARIES)
+
+
+def test_the_lists_cover_the_folder():
+    assert SCRIPTS, "no probe scripts found in experiments/"
+    for name in LIBRARIES:
+        assert (EXPERIMENTS / f"{name}.py").is_file(), name
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_script_help(name):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, f"experiments/{name}.py", "--help"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"experiments/{name}.py --help exited {r.returncode}:\n{r.stdout}\n{r.stderr}"
+    assert r.stdout.strip(), f"experiments/{name}.py --help printed nothing"
+    assert "usage:" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("name", LIBRARIES)
+def test_library_imports(name):
+    mod = importlib.import_module(f"experiments.{name}")
+    assert mod.__doc__

@@ -1,0 +1,279 @@
+"""mla in a serving stack, on the CPU: plans, out= buffers, the cache writer, the torch custom ops
+and torch.compile, and FlashMLA's own call (mla.flash_mla)."""
+import functools
+
+import pytest
+import torch
+
+import mla
+import mla.flash_mla as flash_mla
+from mla import api, layout
+from mla.validate import make_case, run_case
+
+from conftest import DEVICE as DEV
+
+
+@pytest.fixture
+def case():
+    return make_case(b=2, s_q=2, h_q=5, topk=40, page=16, extra_topk=24, extra_page=8, lengths=True, seed=5,
+                     device=DEV)
+
+
+# --- plan once, call cheaply --------------------------------------------------------------------
+
+
+def test_a_planned_call_equals_an_unplanned_one_and_fills_out_buffers(case):
+    plan = mla.plan(**case)
+    assert plan.impl == "mma" and plan.launch.splits >= 1
+    want = mla.sparse_decode(**case)
+    out = torch.full_like(want[0], float("nan"))
+    lse = torch.full_like(want[1], float("nan"))
+    got = mla.sparse_decode(**case, plan=plan, out=out, lse=lse)
+    assert got[0] is out and got[1] is lse
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    out_ok, lse_ok = run_case(functools.partial(mla.sparse_decode, plan=plan), case)
+    assert out_ok.ok and lse_ok.ok, (out_ok, lse_ok)
+
+
+@pytest.mark.parametrize("change,arg", [
+    (lambda c: dict(c, q=c["q"][:1], indices=c["indices"][:1]), "q"),
+    (lambda c: dict(c, indices=c["indices"][..., :30]), "indices"),
+    (lambda c: dict(c, attn_sink=None), "attn_sink"),
+    (lambda c: dict(c, softmax_scale=0.1), "softmax_scale"),
+    (lambda c: dict(c, k_cache=layout.quantize_kv(torch.zeros(4, 32, 512, dtype=torch.bfloat16, device=DEV))),
+     "k_cache"),
+    (lambda c: dict(c, topk_length=None), "topk_length"),
+    (lambda c: dict(c, extra_indices=c["extra_indices"].long()), "extra_indices"),
+])
+def test_a_call_that_does_not_match_its_plan_names_the_argument(case, change, arg):
+    plan = mla.plan(**case)
+    with pytest.raises(ValueError, match=f"^{arg}: does not match the plan"):
+        mla.sparse_decode(**change(case), plan=plan)
+
+
+def test_bad_plans_and_buffers_are_refused(case):
+    plan = mla.plan(**case)
+    with pytest.raises(ValueError, match="^plan:"):
+        mla.sparse_decode(**case, plan="a plan")
+    with pytest.raises(ValueError, match="^impl: the plan is for impl='mma'"):
+        mla.sparse_decode(**case, plan=plan, impl="simt")
+    out, lse = mla.sparse_decode(**case)
+    with pytest.raises(ValueError, match="^out:"):
+        mla.sparse_decode(**case, out=out.float())
+    with pytest.raises(ValueError, match="^out:"):
+        mla.sparse_decode(**case, out=out.transpose(0, 1).contiguous().transpose(0, 1))
+    with pytest.raises(ValueError, match="^lse:"):
+        mla.sparse_decode(**case, lse=lse[:, :, :1])
+    with pytest.raises(ValueError, match="^out:"):
+        mla.sparse_decode(**case, out="out")
+
+
+def test_a_plan_checks_its_inputs_once(case):
+    with pytest.raises(ValueError, match="^q:"):
+        mla.plan(**dict(case, q=case["q"].float()))
+    with pytest.raises(ValueError, match="^attn_sink:"):
+        mla.plan(**dict(case, attn_sink=case["attn_sink"][:2]))
+
+
+def test_unplanned_calls_reuse_a_cached_plan(case):
+    api._PLANS.clear()
+    for _ in range(3):
+        mla.sparse_decode(**case)
+    assert len(api._PLANS) == 1
+    mla.sparse_decode(**dict(case, attn_sink=None))
+    assert len(api._PLANS) == 2
+
+
+def test_plans_for_every_impl(case):
+    for impl in ("mma", "simt", "reference"):
+        plan = mla.plan(**case, impl=impl)
+        assert plan.impl == impl and (plan.launch is not None) == (impl == "mma")
+        out_ok, lse_ok = run_case(functools.partial(mla.sparse_decode, plan=plan), case)
+        assert out_ok.ok and lse_ok.ok, (impl, out_ok, lse_ok)
+    assert mla.plan(**case).fits(**case) and not mla.plan(**case).fits(**dict(case, attn_sink=None))
+
+
+def test_the_host_cost_benchmark_prints_both_figures():
+    from mla import bench
+
+    rows = bench.host_cost(bench.spec_shapes()[:1], calls=20, reps=1)
+    assert rows[0]["us with a plan"] > 0 and rows[0]["us without a plan"] > 0
+    text = bench.host_table(rows)
+    assert "with a plan" in text and "without a plan" in text
+
+
+# --- the cache writer -----------------------------------------------------------------------
+
+
+def _latents(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, 512, generator=g)
+            * torch.exp2(torch.randint(-6, 6, (n, 1), generator=g).float())).bfloat16().to(DEV)
+
+
+@pytest.mark.parametrize("page", [1, 7, 61, 64])
+def test_write_kv_writes_the_bytes_quantize_kv_writes(page):
+    nb = 3
+    kv = _latents(nb * page, seed=page)
+    cache = layout.empty_cache(nb, page, device=DEV, fill=0)
+    mla.write_kv(kv, cache, torch.randperm(nb * page).int().sort().values.to(DEV))
+    want = mla.quantize_kv(kv.view(nb, page, 512))
+    assert torch.equal(layout.cache_bytes(cache), layout.cache_bytes(want))
+
+
+def _slot_bytes(cache, slots):
+    """Every byte offset (from the cache's first page) of these slots' data and scale rows."""
+    p, ps = cache.shape[1], cache.stride(0)
+    blk, off = slots // p, slots % p
+    data = (blk * ps + off * layout.DATA_BYTES)[:, None] + torch.arange(layout.DATA_BYTES)
+    scale = (blk * ps + p * layout.DATA_BYTES + off * layout.SCALE_BYTES)[:, None] + torch.arange(layout.SCALE_BYTES)
+    return torch.cat([data.flatten(), scale.flatten()])
+
+
+def test_write_kv_touches_only_its_slots_in_a_pooled_view_and_skips_invalid_slots():
+    """A cache that is a view into a larger pool (pages 2..5 of 8, page size 13), a row per slot
+    of a shuffled subset, some slots invalid: the valid slots hold quantize_kv's bytes for their
+    rows, and every other byte of the pool is what it was."""
+    pool = layout.empty_cache(8, 13, device=DEV, fill=0xAB)
+    cache = pool[2:6]
+    n_tokens = 4 * 13
+    slots = torch.tensor([5, 0, 51, -1, 17, n_tokens, 2 ** 31 - 1, 33, -(2 ** 31), 12], dtype=torch.int64, device=DEV)
+    kv = _latents(len(slots), seed=1)
+    before = layout.cache_bytes(pool).clone().cpu()
+    mla.write_kv(kv, cache, slots)
+    after = layout.cache_bytes(pool).cpu()
+    slots = slots.cpu()
+    valid = (slots >= 0) & (slots < n_tokens)
+    base = 2 * pool.stride(0)                         # the view's first byte in the pool
+    written = base + _slot_bytes(cache, slots[valid])
+    changed = torch.zeros(after.numel(), dtype=torch.bool)
+    changed[written] = True
+    assert torch.equal(after[~changed], before[~changed])
+    for row, slot in zip(kv[valid.to(kv.device)], slots[valid].tolist()):
+        want = layout.cache_bytes(mla.quantize_kv(row.view(1, 1, 512))).cpu()
+        got = after[base + _slot_bytes(cache, torch.tensor([slot]))]
+        assert torch.equal(got, torch.cat([want[:576], want[576:584]])), slot
+
+
+def test_write_kv_takes_int32_slots_three_dim_rows_and_nothing():
+    cache = layout.empty_cache(2, 8, device=DEV, fill=0)
+    kv = _latents(16, seed=2)
+    mla.write_kv(kv.view(16, 1, 512), cache, torch.arange(16, dtype=torch.int32, device=DEV))
+    assert torch.equal(layout.cache_bytes(cache), layout.cache_bytes(mla.quantize_kv(kv.view(2, 8, 512))))
+    before = layout.cache_bytes(cache).clone()
+    mla.write_kv(kv[:0], cache, torch.zeros(0, dtype=torch.int32, device=DEV))
+    assert torch.equal(layout.cache_bytes(cache), before)
+
+
+@pytest.mark.parametrize("kw,arg", [
+    (dict(kv=torch.zeros(4, 512)), "kv"),
+    (dict(kv=torch.zeros(4, 448, dtype=torch.bfloat16)), "kv"),
+    (dict(kv="rows"), "kv"),
+    (dict(k_cache=torch.zeros(2, 8, 1, 576, dtype=torch.uint8)), "k_cache"),
+    (dict(slot_mapping=torch.zeros(4, dtype=torch.float32)), "slot_mapping"),
+    (dict(slot_mapping=torch.zeros(3, dtype=torch.int32)), "slot_mapping"),
+    (dict(slot_mapping=torch.zeros(4, 1, dtype=torch.int32)), "slot_mapping"),
+    (dict(slot_mapping=torch.zeros(4, dtype=torch.int32, device="meta")), "slot_mapping"),
+])
+def test_write_kv_refuses_bad_arguments_by_name(kw, arg):
+    args = dict(kv=torch.zeros(4, 512, dtype=torch.bfloat16), k_cache=layout.empty_cache(2, 8, fill=0),
+                slot_mapping=torch.zeros(4, dtype=torch.int32))
+    args.update(kw)
+    with pytest.raises(ValueError, match=f"^{arg}:"):
+        mla.write_kv(**args)
+
+
+# --- torch ops and torch.compile -------------------------------------------------------------
+
+
+def test_the_custom_ops_are_registered_and_their_fakes_fit():
+    case = make_case(b=1, s_q=1, h_q=4, topk=8, page=8, seed=1, device=DEV)
+    torch.library.opcheck(torch.ops.mla.sparse_decode.default,
+                          (case["q"], case["k_cache"].view(torch.uint8), case["indices"]),
+                          dict(attn_sink=case["attn_sink"]),
+                          test_utils=("test_schema", "test_faketensor"))
+    kv = _latents(4, seed=3)
+    torch.library.opcheck(torch.ops.mla.write_kv.default,
+                          (kv, layout.empty_cache(2, 8, device=DEV, fill=0).view(torch.uint8),
+                           torch.arange(4, dtype=torch.int32, device=DEV)),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_a_compiled_step_writes_and_decodes_without_a_graph_break():
+    """One decode step as a serving loop runs it: write the step's new tokens, then attend. With
+    fullgraph=True a graph break is an error; aot_eager runs the traced graph on the CPU."""
+    nb, page = 4, 16
+    cache = layout.empty_cache(nb, page, device=DEV, fill=0)
+    kv = _latents(nb * page, seed=4)
+    slots = torch.arange(nb * page, dtype=torch.int64, device=DEV)
+    q = torch.randn(2, 1, 4, 512).bfloat16().to(DEV)
+    idx = torch.randint(0, nb * page, (2, 1, 24), dtype=torch.int32).to(DEV)
+    sink = torch.randn(4).to(DEV)
+
+    def step(q, k_cache, indices, kv, slots, sink):
+        mla.write_kv(kv, k_cache, slots)
+        return mla.sparse_decode(q, k_cache, indices, attn_sink=sink)
+
+    torch._dynamo.reset()
+    out, lse = torch.compile(step, fullgraph=True, backend="aot_eager")(q, cache, idx, kv, slots, sink)
+    ref = mla.quantize_kv(kv.view(nb, page, 512))
+    assert torch.equal(layout.cache_bytes(cache), layout.cache_bytes(ref))
+    want = mla.sparse_decode(q, ref, idx, attn_sink=sink)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+
+
+# --- FlashMLA's own call ---------------------------------------------------------------------
+
+
+def test_code_written_for_flashmla_runs_unchanged(case):
+    """The call as FlashMLA's decode test makes it (lib.run_flash_mla_decode): all sixteen
+    arguments positional, the metadata from get_mla_metadata(), filled by the first call."""
+    meta, _ = flash_mla.get_mla_metadata()
+    assert not meta.have_initialized
+    sm_scale = 512 ** -0.5
+    positional = (case["q"], case["k_cache"], None, None, 512, meta, None, sm_scale, False, True, case["indices"],
+                  case["attn_sink"], case["extra_k_cache"], case["extra_indices"], case["topk_length"],
+                  case["extra_topk_length"])
+    out, lse = flash_mla.flash_mla_with_kvcache(*positional)
+    assert meta.have_initialized and meta.config.h_q == 5 and meta.config.extra_topk == 24
+    want = mla.sparse_decode(**case, softmax_scale=sm_scale)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    again = flash_mla.flash_mla_with_kvcache(*positional)          # later calls only check
+    assert torch.equal(again[0], out)
+    kw = flash_mla.flash_mla_with_kvcache(case["q"], case["k_cache"], None, None, 512, meta, is_fp8_kvcache=True,
+                                          indices=case["indices"], attn_sink=case["attn_sink"],
+                                          extra_k_cache=case["extra_k_cache"],
+                                          extra_indices_in_kvcache=case["extra_indices"],
+                                          topk_length=case["topk_length"], extra_topk_length=case["extra_topk_length"])
+    assert torch.equal(kw[0], out)
+
+
+def test_flashmla_metadata_mismatches_are_value_errors(case):
+    meta, none = flash_mla.get_mla_metadata(torch.zeros(2), 64, 1)       # the old interface's arguments
+    assert none is None
+    flash_mla.flash_mla_with_kvcache(case["q"], case["k_cache"], None, None, 512, meta, is_fp8_kvcache=True,
+                                     indices=case["indices"])
+    with pytest.raises(ValueError, match="^indices: inconsistent with tile_scheduler_metadata: topk"):
+        flash_mla.flash_mla_with_kvcache(case["q"], case["k_cache"], None, None, 512, meta, is_fp8_kvcache=True,
+                                         indices=case["indices"][..., :8])
+    with pytest.raises(ValueError, match="^tile_scheduler_metadata:"):
+        flash_mla.flash_mla_with_kvcache(case["q"], case["k_cache"], None, None, 512, None, is_fp8_kvcache=True,
+                                         indices=case["indices"])
+
+
+@pytest.mark.parametrize("kw,arg", [
+    (dict(indices=None), "indices"),
+    (dict(is_fp8_kvcache=False), "is_fp8_kvcache"),
+    (dict(causal=True), "causal"),
+    (dict(num_splits=4), "num_splits"),
+    (dict(head_dim_v=448), "head_dim_v"),
+    (dict(block_table=torch.zeros(2, 4, dtype=torch.int32)), "block_table"),
+    (dict(q=torch.zeros(2, 2, 5, 576, dtype=torch.bfloat16)), "q"),
+    (dict(k_cache=torch.zeros(4, 16, 1, 656, dtype=torch.float8_e4m3fn)), "k_cache"),
+])
+def test_flashmla_paths_mla_does_not_cover_are_refused_by_name(case, kw, arg):
+    args = dict(q=case["q"], k_cache=case["k_cache"], block_table=None, cache_seqlens=None, head_dim_v=512,
+                tile_scheduler_metadata=flash_mla.get_mla_metadata()[0], is_fp8_kvcache=True, indices=case["indices"])
+    args.update(kw)
+    with pytest.raises(ValueError, match=f"^{arg}:"):
+        flash_mla.flash_mla_with_kvcache(**args)
