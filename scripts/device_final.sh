@@ -24,7 +24,8 @@ nbsetup() {
   for part in "$@"; do
     case "$part" in
       tests) step "${TESTS_S:-300}" python3 -m pytest -q -m "not slow" -p no:cacheprovider ;;
-      validation) step "${VALIDATION_S:-240}" python3 scripts/gpu_validation.py --out "$OUT/val" ;;
+      validation) step "${VALIDATION_S:-240}" python3 scripts/gpu_validation.py --out "$OUT/val" \
+        --budget-s "${VALIDATION_BUDGET_S:-150}" ;;
       bench) step "${BENCH_S:-330}" python3 -m mla.bench --repeat 3 --out "$OUT/res" --no-progress ;;
       serving) step "${SERVING_S:-120}" python3 -m mla.bench --serving --out "$OUT/res" ;;
       *.ipynb) nbsetup
