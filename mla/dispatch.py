@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import torch
+import triton
+from triton.compiler import CompiledKernel
 
 from . import _runtime, configs
 from .configs import GLUON_FORMS, GluonConfig, TlDotConfig
@@ -230,7 +233,8 @@ class Launcher:
         self.extra = (ec.stride(0), ec.shape[1], ec.shape[0] * ec.shape[1])
         self.topk, self.etopk = topk, extra_topk
         self.scale = (D_QK ** -0.5 if softmax_scale is None else float(softmax_scale)) * LOG2E
-        self.combine_grid, self.combine_kwargs = combine.launch_params(b * s_q, h_q, has_sink)
+        self._decode = BoundLaunch(self.grid, self.kwargs)
+        self._combine = BoundLaunch(*combine.launch_params(b * s_q, h_q, has_sink))
 
     def __call__(self, q, k_cache, indices, attn_sink, topk_length, extra_k_cache, extra_indices, extra_topk_length,
                  out, lse, po=None, plse=None) -> None:
@@ -245,14 +249,56 @@ class Launcher:
         else:
             ec, eidx = kc, indices
         kernel = getattr(self._module, self._name)
-        kernel[self.grid](
+        self._decode(kernel, (
             q.contiguous(), out, lse, lse if attn_sink is None else attn_sink, po if split else lse,
             plse if split else lse, kc, *self.main, indices, self.topk, indices if topk_length is None else topk_length,
             ec, *self.extra, eidx, self.etopk, indices if extra_topk_length is None else extra_topk_length,
-            self.s_q, self.h_q, self.scale, self.splits, **self.kwargs)
+            self.s_q, self.h_q, self.scale, self.splits))
         if split:
-            combine.combine_kernel[self.combine_grid](po, plse, out, lse, lse if attn_sink is None else attn_sink,
-                                                      self.s_q, self.h_q, self.splits, **self.combine_kwargs)
+            self._combine(combine.combine_kernel, (po, plse, out, lse, lse if attn_sink is None else attn_sink,
+                                                   self.s_q, self.h_q, self.splits))
+
+
+#: Triton's launcher takes every argument, constexprs included, from 3.3 on
+_LAUNCHER_TAKES_CONSTEXPRS = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 3)
+
+
+class BoundLaunch:
+    """One kernel of a :class:`Launcher`, launched the cheap way once it is compiled.
+
+    ``kernel[grid](*args, **constexprs)`` binds and specializes every argument on every call:
+    most of an eager call's host time. What it specializes on is fixed by the plan (the dtypes,
+    the integers, the constexprs) except whether each pointer is a multiple of 16 bytes. So the
+    first call whose pointers all are goes through Triton and keeps the compiled kernel it
+    returns; later such calls launch that kernel directly, the constexprs appended in signature
+    order. Any other call, or a kernel that is not compiled (the interpreter, a stub), takes
+    Triton's path."""
+
+    def __init__(self, grid, constexprs: dict):
+        self.grid, self.constexprs = grid, constexprs
+        self._kernel = self._compiled = self._tail = None
+
+    def __call__(self, kernel, args: tuple) -> None:
+        aligned = True
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.data_ptr() % 16:
+                aligned = False
+                break
+        if aligned and self._compiled is not None and kernel is self._kernel:
+            self._compiled[self.grid](*args, *self._tail)
+            return
+        compiled = kernel[self.grid](*args, **self.constexprs)
+        if aligned and isinstance(compiled, CompiledKernel) and _LAUNCHER_TAKES_CONSTEXPRS:
+            self._kernel, self._compiled, self._tail = kernel, compiled, self._constexpr_tail(kernel, len(args))
+
+    def _constexpr_tail(self, kernel, n_args: int):
+        """The kernel's parameters after the ``n_args`` given ones, in order: the constexprs as
+        given, else their defaults (the compile options, such as ``num_warps``, are not parameters)."""
+        params = list(inspect.signature(kernel.fn).parameters.values())[n_args:]
+        tail = [self.constexprs.get(p.name, p.default) for p in params]
+        if any(v is inspect.Parameter.empty for v in tail):
+            raise TypeError(f"{kernel.fn.__name__}: no value for {[p.name for p in params]}")
+        return tail
 
 
 def run(launch: Launch, q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,

@@ -2,12 +2,15 @@
 and torch.compile, and FlashMLA's own call (mla.flash_mla)."""
 import functools
 
+import inspect
+
 import pytest
 import torch
+from triton.compiler import CompiledKernel
 
 import mla
 import mla.flash_mla as flash_mla
-from mla import api, layout
+from mla import api, dispatch, layout
 from mla.validate import make_case, run_case
 
 from conftest import DEVICE as DEV
@@ -277,3 +280,116 @@ def test_flashmla_paths_mla_does_not_cover_are_refused_by_name(case, kw, arg):
     args.update(kw)
     with pytest.raises(ValueError, match=f"^{arg}:"):
         flash_mla.flash_mla_with_kvcache(**args)
+
+
+# ---------------------------------------------------------------------------------------------
+# dispatch.BoundLaunch: the compiled kernel launched directly after its first call
+# ---------------------------------------------------------------------------------------------
+
+
+class _Compiled(CompiledKernel):
+    """A compiled kernel that records its launches (no GPU)."""
+
+    module = None                   # CompiledKernel.__del__ unloads a module when it has one
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args: self.launches.append((grid, args))
+
+
+class _Kernel:
+    """A kernel like Triton's: ``.fn`` has the signature, ``kernel[grid](*args, **kw)`` records
+    the call and returns what ``returns`` gives (a compiled kernel, or None as the interpreter does)."""
+
+    def __init__(self, returns):
+        def fn(x, y, n, A, B=7, C=3):
+            pass
+        self.fn, self.calls, self.returns = fn, [], returns
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.calls.append((grid, args, kw))
+            return self.returns
+        return launch
+
+
+def test_a_bound_launch_goes_through_triton_once_then_launches_the_compiled_kernel():
+    compiled = _Compiled()
+    kernel = _Kernel(compiled)
+    bound = dispatch.BoundLaunch((4, 2), {"A": 1, "C": 5, "num_warps": 8})
+    x, y = torch.zeros(8), torch.zeros(8)
+    for _ in range(3):
+        bound(kernel, (x, y, 12))
+    assert kernel.calls == [((4, 2), (x, y, 12), {"A": 1, "C": 5, "num_warps": 8})]
+    # the constexprs in signature order, defaults filled in, the compile option left out
+    assert compiled.launches == [((4, 2), (x, y, 12, 1, 7, 5))] * 2
+
+
+def test_a_bound_launch_takes_tritons_path_for_misaligned_pointers_other_kernels_and_the_interpreter():
+    compiled = _Compiled()
+    kernel = _Kernel(compiled)
+    bound = dispatch.BoundLaunch((1,), {"A": 1})
+    x = torch.zeros(16)
+    odd = torch.zeros(16, dtype=torch.uint8)[1:]          # 1 byte past an aligned address
+    bound(kernel, (odd, x, 1))
+    bound(kernel, (odd, x, 1))
+    assert len(kernel.calls) == 2 and not compiled.launches       # never kept, never used
+    bound(kernel, (x, x, 1))
+    bound(kernel, (odd, x, 1))
+    assert len(kernel.calls) == 4 and not compiled.launches       # misaligned: Triton specializes anew
+    other = _Kernel(_Compiled())                                  # a stub swapped in for the kernel
+    bound(other, (x, x, 1))
+    assert len(other.calls) == 1 and not compiled.launches
+    interpreted = _Kernel(None)
+    bound = dispatch.BoundLaunch((1,), {"A": 1})
+    for _ in range(2):
+        bound(interpreted, (x, x, 1))
+    assert len(interpreted.calls) == 2
+
+
+class _Recording(_Kernel):
+    """A stand-in with a real kernel's signature."""
+
+    def __init__(self, real, returns):
+        super().__init__(returns)
+        self.fn = real.fn
+
+
+@pytest.mark.parametrize("kernel", ["tl_dot", "gluon"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_launchers_bound_launches_pass_every_parameter_of_the_real_kernels(kernel, splits, monkeypatch):
+    """Through a Launcher, the direct launch passes the values Triton's path bound: each of the
+    kernel's parameters in order, the constexprs by name (the decodes and the combine)."""
+    if kernel == "gluon" and dispatch.gluon_sm90 is None:
+        pytest.skip("this Triton has no Gluon")
+    c = make_case(b=2, s_q=1, h_q=8, topk=40, page=16, extra_topk=24, extra_page=8, sink=True, seed=3)
+    if kernel == "gluon":
+        module, name, cfg, align = dispatch.gluon_sm90.kernel, "gluon_decode_kernel", mla.configs.GluonConfig(), 16
+    else:
+        module, name, cfg, align = dispatch.tl_dot, "tl_dot_decode_kernel", mla.configs.TlDotConfig(), 0
+    stands = {}
+    for mod, attr in ((module, name), (dispatch.combine, "combine_kernel")):
+        stands[attr] = _Recording(getattr(mod, attr), _Compiled())
+        monkeypatch.setattr(mod, attr, stands[attr])
+    lr = dispatch.Launcher(dispatch.Launch(cfg, splits, align=align), c["q"].shape, c["k_cache"],
+                           c["indices"].shape[-1], c["extra_k_cache"], c["extra_indices"].shape[-1], None, True,
+                           False, False)
+    out, lse = torch.empty_like(c["q"]), torch.empty(2, 8, 1)
+    args = (c["q"], c["k_cache"], c["indices"], c["attn_sink"], None, c["extra_k_cache"], c["extra_indices"], None,
+            out, lse)
+    lr(*args)
+    lr(*args)
+    for attr, stand in stands.items():
+        if attr == "combine_kernel" and splits == 1:
+            assert not stand.calls and not stand.returns.launches
+            continue
+        (_, given, kw), = stand.calls
+        (_, direct), = stand.returns.launches
+        params = list(inspect.signature(stand.fn).parameters.values())
+        assert len(direct) == len(params)
+        bound = dict(zip([p.name for p in params], direct))
+        for p in params[len(given):]:
+            assert bound[p.name] == kw.get(p.name, p.default), p.name
+        assert set(kw) - set(bound) <= {"num_warps", "num_stages", "num_ctas", "maxnreg"}
