@@ -272,10 +272,12 @@ class BoundLaunch:
     first call whose pointers all are goes through Triton and keeps the compiled kernel it
     returns; later such calls launch that kernel directly, the constexprs appended in signature
     order. Any other call, or a kernel that is not compiled (the interpreter, a stub), takes
-    Triton's path."""
+    Triton's path. (A compiled kernel's launcher takes a three-dimensional grid; Triton's path
+    pads a shorter one, so the direct launch does too.)"""
 
     def __init__(self, grid, constexprs: dict):
-        self.grid, self.constexprs = grid, constexprs
+        self.grid, self.constexprs = tuple(grid), constexprs
+        self._grid3 = self.grid + (1,) * (3 - len(self.grid))
         self._kernel = self._compiled = self._tail = None
 
     def __call__(self, kernel, args: tuple) -> None:
@@ -285,7 +287,7 @@ class BoundLaunch:
                 aligned = False
                 break
         if aligned and self._compiled is not None and kernel is self._kernel:
-            self._compiled[self.grid](*args, *self._tail)
+            self._compiled[self._grid3](*args, *self._tail)
             return
         compiled = kernel[self.grid](*args, **self.constexprs)
         if aligned and isinstance(compiled, CompiledKernel) and _LAUNCHER_TAKES_CONSTEXPRS:

@@ -296,6 +296,7 @@ class _Compiled(CompiledKernel):
         self.launches = []
 
     def __getitem__(self, grid):
+        assert len(grid) == 3, "a compiled kernel's launcher indexes grid[0], grid[1] and grid[2]"
         return lambda *args: self.launches.append((grid, args))
 
 
@@ -324,7 +325,7 @@ def test_a_bound_launch_goes_through_triton_once_then_launches_the_compiled_kern
         bound(kernel, (x, y, 12))
     assert kernel.calls == [((4, 2), (x, y, 12), {"A": 1, "C": 5, "num_warps": 8})]
     # the constexprs in signature order, defaults filled in, the compile option left out
-    assert compiled.launches == [((4, 2), (x, y, 12, 1, 7, 5))] * 2
+    assert compiled.launches == [((4, 2, 1), (x, y, 12, 1, 7, 5))] * 2
 
 
 def test_a_bound_launch_takes_tritons_path_for_misaligned_pointers_other_kernels_and_the_interpreter():
