@@ -263,6 +263,14 @@ class Launcher:
 _LAUNCHER_TAKES_CONSTEXPRS = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 3)
 
 
+def _aligned(args) -> bool:
+    """Whether every tensor among ``args`` starts at a multiple of 16 bytes."""
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.data_ptr() % 16:
+            return False
+    return True
+
+
 class BoundLaunch:
     """One kernel of a :class:`Launcher`, launched the cheap way once it is compiled.
 
@@ -281,16 +289,12 @@ class BoundLaunch:
         self._kernel = self._compiled = self._tail = None
 
     def __call__(self, kernel, args: tuple) -> None:
-        aligned = True
-        for a in args:
-            if isinstance(a, torch.Tensor) and a.data_ptr() % 16:
-                aligned = False
-                break
-        if aligned and self._compiled is not None and kernel is self._kernel:
+        if self._compiled is not None and kernel is self._kernel and _aligned(args):
             self._compiled[self._grid3](*args, *self._tail)
             return
         compiled = kernel[self.grid](*args, **self.constexprs)
-        if aligned and isinstance(compiled, CompiledKernel) and _LAUNCHER_TAKES_CONSTEXPRS:
+        if (self._compiled is None and isinstance(compiled, CompiledKernel) and _LAUNCHER_TAKES_CONSTEXPRS
+                and _aligned(args)):
             self._kernel, self._compiled, self._tail = kernel, compiled, self._constexpr_tail(kernel, len(args))
 
     def _constexpr_tail(self, kernel, n_args: int):
