@@ -1,4 +1,4 @@
-"""The GPU validation sweep of chapter 5: every counted impl on the SPEC's benchmark shapes (over a
+"""The GPU validation sweep of chapter 6: every counted impl on the SPEC's benchmark shapes (over a
 pool of about 0.5 GB) and on the odd-shape grid, against the float64 reference, with NaN in every
 unreferenced cache byte and a second call with zeros there (the result must not change).
 
@@ -72,7 +72,7 @@ def _bf16_operands(q, k_cache, indices, **kw):
     lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=q.device)
     plan = mla.plan(q, k_cache, indices, **kw, config=dispatch.tl_dot_config(q.device, h_q))
     launcher = plan.launcher
-    launcher.kwargs = dict(launcher.kwargs, DOT=triton.language.bfloat16)
+    launcher.kwargs["DOT"] = triton.language.bfloat16     # in place: the plan's launches hold this dict
     launcher(q, k_cache, indices, kw.get("attn_sink"), kw.get("topk_length"), kw.get("extra_k_cache"),
              kw.get("extra_indices"), kw.get("extra_topk_length"), out, lse)
     return out, lse

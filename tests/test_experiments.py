@@ -36,3 +36,28 @@ def test_script_help(name):
 def test_library_imports(name):
     mod = importlib.import_module(f"experiments.{name}")
     assert mod.__doc__
+
+
+def test_the_gpu_validations_bf16_variant_reaches_the_kernel(monkeypatch):
+    """scripts/gpu_validation.py's "mma-bf16" probe launches the tl.dot kernel with bf16 operands
+    (its plan's launches hold the constexprs it changes), not the shipped fp16 ones."""
+    import importlib.util
+
+    import triton.language as tl
+
+    from mla import dispatch
+    from mla.validate import make_case
+
+    spec = importlib.util.spec_from_file_location("gpu_validation", ROOT / "scripts" / "gpu_validation.py")
+    gv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gv)
+    seen = []
+
+    class Recording:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append(kw)
+
+    monkeypatch.setattr(dispatch.tl_dot, "tl_dot_decode_kernel", Recording())
+    c = make_case(b=1, s_q=1, h_q=4, topk=16, page=16, sink=False, seed=1)
+    gv._bf16_operands(c["q"], c["k_cache"], c["indices"])
+    assert seen and all(kw["DOT"] is tl.bfloat16 for kw in seen)

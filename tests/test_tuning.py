@@ -1,4 +1,4 @@
-"""mla.tuning: the mla side of every autotuner pitfall of Chapter 4, and the shipped-config path."""
+"""mla.tuning: the mla side of every autotuner pitfall of chapter 5, and the shipped-config path."""
 import functools
 import json
 import logging

@@ -3,7 +3,8 @@
 Each program gathers and dequantizes every selected token itself, scores it with elementwise
 products and ``tl.sum``, and keeps an online softmax in float32. The main and the extra cache
 go through the same running softmax. Simple and correct; its weakness is by design: the
-``h_q`` programs of one query token each re-read the same tokens, so KV traffic grows with h_q.
+``h_q`` programs of one query token each re-read, dequantize and score the same tokens, so the
+work grows with h_q (the re-reads mostly hit L2: the repeated on-chip work is the cost).
 """
 from __future__ import annotations
 

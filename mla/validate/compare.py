@@ -47,7 +47,8 @@ class Closeness:
              f"{self.special_mismatch}, worst abs {self.worst_abs:.3g}, worst rel {self.worst_rel:.3g}, "
              f"cosine diff {self.cos_diff:.3g}")
         if self.worst_index is not None:
-            s += f" at {self.worst_index}: got {self.worst_value!r}, ref {self.worst_ref!r}"
+            s += (f" at {self.worst_index}: got {self.worst_value:.6g}, ref {self.worst_ref:.6g}, "
+                  f"|diff| {abs(self.worst_value - self.worst_ref):.2g}")
         if self.note:
             s += f"; {self.note}"
         return s + ")"
