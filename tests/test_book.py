@@ -17,6 +17,26 @@ def test_book_builds_without_warnings(built_book):
     assert (html / "index.html").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_the_book_serves_mathjax_itself(built_book):
+    """Every page with math loads MathJax from the book's own _static/ (sphinx-mathjax-offline),
+    not from a CDN, and the file is there: math renders with no network."""
+    import re
+
+    _, html = built_book
+    assert (html / "_static" / "mathjax" / "tex-chtml.js").is_file()
+    with_math = 0
+    for page in html.rglob("*.html"):
+        text = page.read_text(encoding="utf-8", errors="replace")
+        scripts = re.findall(r'<script[^>]*src="([^"]*mathjax[^"]*)"', text, flags=re.I)
+        assert not [s for s in scripts if "://" in s], f"{page.name} loads MathJax from the network: {scripts}"
+        if 'class="math' in text:
+            with_math += 1
+            assert any(s.endswith("_static/mathjax/tex-chtml.js") for s in scripts), f"{page.name}: no MathJax"
+    assert with_math >= 3, f"only {with_math} pages have math"
+
+
 def test_toc_lists_every_notebook_and_page():
     import yaml
 

@@ -5,13 +5,16 @@ A page fails if
 - a rendered cell shows a traceback or an error output (cells tagged ``raises-exception``
   excepted: Jupyter Book puts the tag on the cell as the CSS class ``tag_raises-exception``);
 - a figure does not load (an ``<img>`` with a natural size of zero);
+- math is not typeset: raw LaTeX delimiters (``\\(``, ``\\[``) left in the page's text outside
+  code, a math element with no MathJax output in it, or MathJax not loaded on a page with math
+  (the book serves MathJax itself, sphinx-mathjax-offline: no network needed);
 - an internal link is broken (no such file, or no such ``#id`` on the target page);
 - its console shows a JavaScript error, other than a blocked network fetch of an offline machine
-  (the theme loads MathJax and fonts from CDNs; this test blocks every host but 127.0.0.1).
+  (the theme may fetch fonts from CDNs; this test blocks every host but 127.0.0.1).
 
 The pages are served over http://127.0.0.1 by a local http.server thread (file:// can hide
-fetch errors). A screenshot of each page (its top, and the whole page) goes to the pytest tmp dir
-and to ``_build/screenshots/``. The book is the session fixture ``built_book`` (conftest.py):
+fetch errors). A screenshot of each page (its top, and the whole page in parts, however long)
+goes to the pytest tmp dir and to ``_build/screenshots/``. The book is the session fixture ``built_book`` (conftest.py):
 this file builds nothing itself.
 
 Needs Debian's ``chromium`` and ``chromium-driver`` (scripts/test.sh installs them with apt-get
@@ -40,7 +43,6 @@ SHOTS = ROOT / "_build" / "screenshots"
 PORT_HOST = "127.0.0.1"
 WINDOW = (1280, 900)
 PART_HEIGHT = 3000               # whole-page screenshots come in parts this tall
-MAX_PARTS = 16
 
 
 #: Console errors of an offline machine: a fetch of another host that could not connect.
@@ -266,7 +268,11 @@ const pending = imgs.filter(i => !i.complete).map(i => new Promise(r => {
   i.addEventListener("load", r, {once: true}); i.addEventListener("error", r, {once: true});
 }));
 const timeout = new Promise(r => setTimeout(r, 20000));
-Promise.race([Promise.all(pending), timeout]).then(() => {
+// MathJax typesets after load: wait for it (startup, then any typesetting still queued).
+const mj = window.MathJax && window.MathJax.startup && window.MathJax.startup.promise
+  ? window.MathJax.startup.promise.then(() => window.MathJax.typesetPromise ? window.MathJax.typesetPromise() : null)
+  : Promise.resolve();
+Promise.race([Promise.all(pending.concat([mj.catch(() => null)])), timeout]).then(() => {
   const sel = "div.output.error, div.output.traceback, .cell_output .traceback, .cell_output .ansi-traceback";
   const cells = new Set();     // one entry per cell output, however many error marks it has
   const owner = el => el.closest(".cell_output") || el;
@@ -286,8 +292,23 @@ Promise.race([Promise.all(pending), timeout]).then(() => {
     })();
     errors.push({section: heading, text: el.textContent.trim().slice(0, 600)});
   });
+  // Math: Sphinx writes \( \) and \[ \] inside span.math / div.math; MathJax replaces them
+  // with mjx-container elements. Raw delimiters left in the text outside code mean it did not.
+  const mathEls = Array.from(document.querySelectorAll("span.math, div.math"));
+  const untypeset = mathEls.filter(el => !el.querySelector("mjx-container"))
+                           .map(el => el.textContent.trim().slice(0, 80));
+  const body = document.body.cloneNode(true);
+  body.querySelectorAll("pre, code, script, style, .highlight, textarea").forEach(el => el.remove());
+  const text = body.textContent;
+  const raw = [];
+  for (const d of ["\\(", "\\["]) {
+    let i = text.indexOf(d);
+    if (i >= 0) raw.push(text.slice(Math.max(0, i - 30), i + 50).replace(/\s+/g, " "));
+  }
   done({
     title: document.title,
+    math: {elements: mathEls.length, untypeset: untypeset, raw: raw,
+           mathjax: !!(window.MathJax && window.MathJax.version), typeset: document.querySelectorAll("mjx-container").length},
     errors: errors,
     images: imgs.map(i => ({src: i.currentSrc || i.src, complete: i.complete,
                             w: i.naturalWidth, h: i.naturalHeight})),
@@ -307,7 +328,7 @@ def screenshot(driver, name: str, height: int, folder: pathlib.Path) -> list[pat
     driver.set_window_size(WINDOW[0], PART_HEIGHT)
     try:
         view = driver.execute_script("return window.innerHeight") or PART_HEIGHT
-        for k in range(min(MAX_PARTS, -(-height // view))):
+        for k in range(-(-height // view)):
             driver.execute_script("window.scrollTo(0, arguments[0])", k * view)
             time.sleep(0.2)
             part = folder / f"{name}-part-{k + 1:02d}.png"
@@ -343,9 +364,10 @@ def toc_parts() -> dict[str, list[str]]:
 
 
 def test_toc_orders_the_book():
-    """Root book/intro; the notebooks in the numbered part "Chapters", in file-name order; the
-    prose pages in "Using the book". (A notebook line appended at the end of _toc.yml would
-    land among the prose pages: this says so.)"""
+    """Root book/intro; the chapters' notebooks in the numbered part "Chapters", in file-name
+    order; the appendix's (``notebooks/appendix_*``) in "Appendix", after them; the prose pages in
+    "Using the book". (A notebook line appended at the end of _toc.yml would land among the
+    prose pages: this says so.)"""
     import yaml
 
     toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
@@ -356,7 +378,9 @@ def test_toc_orders_the_book():
     chapters = parts["Chapters"]
     assert all(f.startswith("notebooks/") for f in chapters), f"not a notebook in 'Chapters': {chapters}"
     assert chapters == sorted(chapters), f"chapters out of file-name order: {chapters}"
-    others = [f for cap, files in parts.items() if cap != "Chapters" for f in files]
+    assert list(parts)[1:2] == ["Appendix"], f"the second part must be 'Appendix', got {list(parts)}"
+    assert parts["Appendix"] and all(f.startswith("notebooks/appendix_") for f in parts["Appendix"])
+    others = [f for cap, files in parts.items() if cap not in ("Chapters", "Appendix") for f in files]
     stray = [f for f in others if f.startswith("notebooks/")]
     assert not stray, f"notebooks outside the 'Chapters' part (append them after the last chapter): {stray}"
 
@@ -405,5 +429,10 @@ def test_page_as_a_reader_meets_it(page, html_dir, site, browser, shots):
             problems.append(f"figure did not load: {img['src']} (natural size {img['w']}x{img['h']})")
     problems += [f"broken internal link: {b}" for b in broken_links(html_dir, site, info["links"])]
     problems += [f"console error: {m}" for m in console_errors(log)]
+    math = info["math"]
+    if math["elements"] and not math["mathjax"]:
+        problems.append(f"{math['elements']} math elements and no MathJax on the page")
+    problems += [f"math not typeset: {t!r}" for t in math["untypeset"][:5]]
+    problems += [f"raw LaTeX in the page text: ...{t}..." for t in math["raw"]]
     assert not problems, (f"{page} ({url}, {time.monotonic() - t0:.1f} s, screenshot "
                           f"_build/screenshots/{name}.png):\n" + "\n".join(f"- {p}" for p in problems))

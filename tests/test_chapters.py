@@ -1,0 +1,121 @@
+"""The book's rules, read from its sources (no build, no kernel run):
+
+- every chapter opens the same way: its title and story, a one-line pointer to "Running the book
+  yourself", the papermill ``parameters`` cell, the folded ``bookpage`` set-up cell;
+- no notebook defines page helpers of its own: they live in ``notebooks/bookpage.py``;
+- a chapter's prose stays within about 4,500 words (the appendix excepted);
+- run tags, version tags, commit hashes and probe-file names appear only in the appendix;
+- no chapter types a ceiling: bandwidths, matmul rates and the ridge come from
+  ``bookpage.ceilings()`` and are glued into the prose.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+import sys
+
+import nbformat
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+sys.path.insert(0, str(NOTEBOOKS))
+
+import bookpage  # noqa: E402
+
+CHAPTERS = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+APPENDIX = sorted(NOTEBOOKS.glob("appendix_*.ipynb"))
+PAGES = sorted((ROOT / "book").glob("*.md"))
+MAX_WORDS = 4600          # "about 4,500"
+
+#: page plumbing a notebook must take from bookpage, not define: its API and the old copies' names
+PAGE_HELPERS = set(bookpage.__all__) | {"WrappedCode", "Source", "_repr_html_", "hang"}
+
+#: what belongs to the lab history (the appendix) and nowhere else in the prose
+LAB_TAGS = {
+    "run tag": re.compile(r"\br\d{1,2}[a-h]?\b"),
+    "version tag": re.compile(r"\bv\d{1,2}[a-f]?\b"),
+    "commit hash": re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b"),
+    "probe file": re.compile(r"\b\w+_(?:r|v)\d+[a-z]?\.json\b"),
+}
+#: a number typed in front of a ceiling's unit
+TYPED_CEILING = re.compile(r"\d[\d.,]*\s*(?:TB/s|GB/s|TFLOP/s|FLOP/byte|FLOP per byte)")
+
+
+def _cells(path, kind):
+    return [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == kind]
+
+
+def _prose(path) -> str:
+    return "\n\n".join(c.source for c in _cells(path, "markdown"))
+
+
+def _ids(paths):
+    return [p.stem for p in paths]
+
+
+def test_the_book_has_its_chapters_and_appendix():
+    assert [p.stem[:2] for p in CHAPTERS] == [f"{k:02d}" for k in range(1, len(CHAPTERS) + 1)]
+    assert len(CHAPTERS) == 7 and len(APPENDIX) == 1
+
+
+@pytest.mark.parametrize("path", CHAPTERS + APPENDIX, ids=_ids(CHAPTERS + APPENDIX))
+def test_every_chapter_opens_the_same_way(path):
+    cells = nbformat.read(path, as_version=4).cells
+    title, pointer, params, setup = cells[:4]
+    assert title.cell_type == "markdown" and title.source.startswith("# "), "cell 1: the title"
+    assert len(title.source.split()) > 12, "cell 1: the title, then the chapter's story in a few lines"
+    assert pointer.cell_type == "markdown" and "{doc}`../book/running`" in pointer.source, \
+        "cell 2: the one-line pointer to book/running"
+    assert len(pointer.source.splitlines()) == 1, "cell 2 is one line: the SMALL paragraph lives on book/running"
+    assert params.cell_type == "code" and "parameters" in params.metadata.get("tags", []), "cell 3: parameters"
+    assert params.source.strip().startswith("SMALL = None"), "cell 3: SMALL = None"
+    assert setup.cell_type == "code" and "hide-input" in setup.metadata.get("tags", []), "cell 4: folded set-up"
+    assert "from bookpage import *" in setup.source and "setup(SMALL)" in setup.source, "cell 4: bookpage's setup"
+
+
+@pytest.mark.parametrize("path", CHAPTERS + APPENDIX, ids=_ids(CHAPTERS + APPENDIX))
+def test_no_notebook_defines_page_helpers(path):
+    defined = []
+    for cell in _cells(path, "code"):
+        code = "\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith(("%", "!")))
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in PAGE_HELPERS:
+                defined.append(node.name)
+    assert not defined, f"{path.name} defines page helpers that live in notebooks/bookpage.py: {defined}"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=_ids(CHAPTERS))
+def test_a_chapter_stays_within_its_word_budget(path):
+    words = len(_prose(path).split())
+    assert words <= MAX_WORDS, f"{path.name}: {words} words of prose (at most about 4,500)"
+
+
+@pytest.mark.parametrize("path", CHAPTERS + PAGES, ids=_ids(CHAPTERS + PAGES))
+def test_lab_history_only_in_the_appendix(path):
+    text = _prose(path) if path.suffix == ".ipynb" else path.read_text()
+    found = {kind: sorted(set(rx.findall(text))) for kind, rx in LAB_TAGS.items()}
+    found = {k: v for k, v in found.items() if v}
+    assert not found, f"{path.name} names lab history (it belongs in the appendix): {found}"
+
+
+@pytest.mark.parametrize("path", CHAPTERS + PAGES, ids=_ids(CHAPTERS + PAGES))
+def test_no_chapter_types_a_ceiling(path):
+    text = _prose(path) if path.suffix == ".ipynb" else path.read_text()
+    typed = sorted(set(TYPED_CEILING.findall(text)))
+    assert not typed, f"{path.name} types ceilings into its prose (compute them with ceilings(), then glue): {typed}"
+
+
+#: lab history named in a code cell: a probe or sweep file, or a version tag in quotes
+CODE_LAB_TAGS = re.compile(r"\b\w+_(?:r|v)\d+[a-z]?\.json\b|[\"']v\d{1,2}[a-f]?\b|\bncu_r\d+")
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=_ids(CHAPTERS))
+def test_code_that_names_lab_history_is_folded(path):
+    """A chapter's cell may read a probe by its file name or a version of the log by its tag, but
+    folded (``hide-input``): the page shows what it computes, the tags stay in the appendix."""
+    shown = [c.source.splitlines()[0][:80] for c in _cells(path, "code")
+             if CODE_LAB_TAGS.search(c.source)
+             and not {"hide-input", "remove-input", "remove-cell"} & set(c.metadata.get("tags", []))]
+    assert not shown, f"{path.name}: cells that name lab history, not folded: {shown}"
