@@ -8,11 +8,17 @@
 #   MLA_COMMIT=<sha> bash scripts/device_final.sh [PART...]
 # PART: tests, validation, bench, serving, or a notebook path (notebooks/0*.ipynb globs work).
 # With no PART it runs all of them (more than one 600 s device call can hold; split it).
+# DEADLINE_S (seconds from the start, default 570) skips a part whose limit would pass it.
 set -u
+START=$(date +%s)
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-out}; mkdir -p "$OUT/nb"
 [ $# -gt 0 ] || set -- tests validation bench serving notebooks/*.ipynb
-step() { local t=$1; shift; echo "=== $* (limit ${t}s)"; local s=$(date +%s); timeout "$t" "$@"; echo "=== rc=$? in $(( $(date +%s) - s ))s"; }
+step() {
+  local t=$1; shift; local s=$(date +%s)
+  if [ $(( s - START + t )) -gt "${DEADLINE_S:-570}" ]; then echo "=== skipped (limit ${t}s would pass the deadline): $*"; return; fi
+  echo "=== $* (limit ${t}s)"; timeout "$t" "$@"; echo "=== rc=$? in $(( $(date +%s) - s ))s"
+}
 nbsetup() {
   [ -n "${NB_READY:-}" ] && return
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$HOME/nbsite" .whl/*.whl \

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import mla
+from mla.bench import spec_shapes
 from mla.configs import GLUON_FORMS, GluonConfig
 from mla.validate import make_case, run_case
 
@@ -131,3 +132,50 @@ def test_flashmlas_call_on_mla_equals_sparse_decode(name):
         case.get("extra_topk_length"))
     want = mla.sparse_decode(**case)
     assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+
+
+BENCH_SHAPES = {f"{s.name} b{s.b}": s for s in spec_shapes()}
+
+
+def bench_case(s, seed):
+    """make_case at a benchmark shape (valid indices only, as the benchmark draws them)."""
+    extra = dict(extra_topk=s.extra_topk, extra_page=s.extra_page) if s.extra_topk else {}
+    return make_case(b=s.b, s_q=s.s_q, h_q=s.h_q, topk=s.topk, page=s.page, device="cuda", seed=seed,
+                     invalid_frac=0.0, **extra)
+
+
+def flashmla_call(module, case):
+    """FlashMLA's sparse-decode call through ``module`` (mla.flash_mla or FlashMLA's flash_mla)."""
+    meta, _ = module.get_mla_metadata()
+    return module.flash_mla_with_kvcache(case["q"], case["k_cache"], None, None, 512, meta, is_fp8_kvcache=True,
+                                         indices=case["indices"], attn_sink=case["attn_sink"],
+                                         extra_k_cache=case.get("extra_k_cache"),
+                                         extra_indices_in_kvcache=case.get("extra_indices"))
+
+
+@pytest.mark.parametrize("name", list(BENCH_SHAPES))
+def test_flashmlas_call_on_mla_equals_sparse_decode_at_the_benchmark_shapes(name):
+    import mla.flash_mla as flash_mla
+
+    case = bench_case(BENCH_SHAPES[name], seed=11)
+    out, lse = flashmla_call(flash_mla, case)
+    want_out, want_lse = mla.sparse_decode(**case)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+@pytest.mark.parametrize("name", [n for n, s in BENCH_SHAPES.items() if s.h_q == 64])
+def test_flashmla_itself_and_mla_flash_mla_agree_with_the_reference_at_the_benchmark_shapes(name):
+    """Where DeepSeek's FlashMLA extension imports (built on the device, not a dependency), its
+    call and the same call on mla.flash_mla return the same shapes and dtypes, and both pass the
+    contract's check against the float64 reference."""
+    flashmla = pytest.importorskip("flash_mla", reason="DeepSeek's FlashMLA extension is not built here")
+    import mla.flash_mla as ours
+
+    case = bench_case(BENCH_SHAPES[name], seed=12)
+    ref = mla.sparse_decode_reference(**case, out_dtype=torch.float64)
+    for module in (flashmla, ours):
+        out, lse = flashmla_call(module, case)
+        assert out.shape == case["q"].shape and out.dtype == torch.bfloat16, module.__name__
+        assert lse.shape == (case["q"].shape[0], case["q"].shape[2], case["q"].shape[1]), module.__name__
+        out_ok, lse_ok = mla.validate.check_against_reference(out, lse, *ref)
+        assert out_ok.ok and lse_ok.ok, (module.__name__, str(out_ok), str(lse_ok))

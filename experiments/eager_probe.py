@@ -1,0 +1,143 @@
+"""Dev probe (GPU): where an eager call's wall time goes. At the shapes whose eager loop is
+furthest from their CUDA-graph time, back-to-back loops (no sync inside, median of 3) of:
+
+- ``full``: the benchmark's planned call (``mla.bench.Case.caller("mma")``, out and lse allocated);
+- ``planned_out``: the same with ``out=`` and ``lse=`` given;
+- ``launcher``: the plan's :class:`mla.dispatch.Launcher` alone (no signature check);
+- ``launches``: the decode and combine launches alone, their arguments built once
+  (:class:`mla.dispatch.BoundLaunch`'s direct path);
+- ``launches_run``: the same through ``CompiledKernel.run`` (Triton's launcher without the
+  ``kernel[grid]`` closure and its device and stream lookups);
+- ``empty2``: the two ``torch.empty`` of out and lse;
+- ``flashmla``: FlashMLA's own call, where its extension imports;
+
+beside the graph time and the Python per call with the launches stubbed
+(:func:`mla.bench.host_cost`), and a cProfile of the full call at V4-TP8 b1. Writes
+$OUT/eager_probe.json and $OUT/eager_profile.txt.
+
+    OUT=out python experiments/eager_probe.py
+"""
+import cProfile
+import io
+import json
+import os
+import pathlib
+import pstats
+import statistics
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import mla  # noqa: E402  (first: it may turn Triton's interpreter on)
+import torch  # noqa: E402
+
+from mla import bench, dispatch  # noqa: E402
+from mla.bench import Case  # noqa: E402
+
+SHAPES = [("DSA", 1), ("V4-CSA", 1), ("V4-CSA", 32), ("V4-TP8", 1), ("V4-TP8", 32), ("V4-TP8", 128), ("DSA", 32)]
+
+
+def loop_us(fn, calls: int = 200, reps: int = 3) -> float:
+    """Wall us per call of ``calls`` back-to-back ``fn()``, synchronized once at the end, median."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    return round(statistics.median(times), 2)
+
+
+def recorded_launches(plan, call):
+    """[(BoundLaunch, kernel, args)] of one planned call."""
+    seen = []
+    orig = dispatch.BoundLaunch.__call__
+
+    def spy(self, kernel, args):
+        seen.append((self, kernel, args))
+        return orig(self, kernel, args)
+    dispatch.BoundLaunch.__call__ = spy
+    try:
+        call()
+    finally:
+        dispatch.BoundLaunch.__call__ = orig
+    return seen
+
+
+def main():
+    if mla.INTERPRET:
+        sys.exit("eager_probe: needs a CUDA GPU")
+    out_dir = pathlib.Path(os.environ.get("OUT", "out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    shapes = {(s.name, s.b): s for s in bench.spec_shapes()}
+    rows = []
+    for key in SHAPES:
+        s = shapes[key]
+        case = Case(s, dev, pool_bytes=5e8)
+        call = case.caller("mma")
+        plan = call.plan
+        n = len(case.index_sets)
+        it = iter(range(10 ** 9))
+        row = {"shape": s.name, "b": s.b, "launch": repr(plan), "us_graph": round(bench.time_graph(case, call), 2)}
+        row["full"] = loop_us(lambda: call(next(it) % n))
+        q, kc, idx, kw = case.q, case.cache, case.index_sets[0], case.kwargs(0)
+        out = torch.empty_like(q)
+        lse = torch.empty(s.b, s.h_q, s.s_q, device=dev)
+        row["planned_out"] = loop_us(lambda: mla.sparse_decode(q, kc, idx, **kw, plan=plan, out=out, lse=lse))
+        la = plan.launcher
+        ws = plan.workspace
+        ek, ei = kw.get("extra_k_cache"), kw.get("extra_indices")
+        row["launcher"] = loop_us(lambda: la(q, kc, idx, case.sink, None, ek, ei, None, out, lse, *ws))
+        launches = recorded_launches(plan, lambda: la(q, kc, idx, case.sink, None, ek, ei, None, out, lse, *ws))
+        direct = [(b._compiled, b._grid3, tuple(a) + tuple(b._tail)) for b, _, a in launches if b._compiled]
+        row["launches_n"] = len(launches)
+        row["launches_direct_n"] = len(direct)
+
+        def launches_direct():
+            for c, g, a in direct:
+                c[g](*a)
+        row["launches"] = loop_us(launches_direct)
+        try:
+            def launches_run():
+                stream = torch.cuda.current_stream().cuda_stream
+                for c, g, a in direct:
+                    c.run(g[0], g[1], g[2], stream, c.function, c.packed_metadata, None, None, None, *a)
+            row["launches_run"] = loop_us(launches_run)
+        except Exception as e:  # noqa: BLE001
+            row["launches_run"] = f"{type(e).__name__}: {e}"
+        row["empty2"] = loop_us(lambda: (torch.empty_like(q), torch.empty(s.b, s.h_q, s.s_q, device=dev)))
+        row.update({k: v for k, v in bench.host_cost(shapes=[s], calls=500, reps=3, device="cuda")[0].items()
+                    if k.startswith("us ")})
+        if bench.flash_mla is not None and s.h_q in (64, 128):
+            fcall = case.caller("flashmla")
+            it2 = iter(range(10 ** 9))
+            row["flashmla_graph"] = round(bench.time_graph(case, fcall), 2)
+            row["flashmla_full"] = loop_us(lambda: fcall(next(it2) % n))
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        if key == ("V4-TP8", 1):
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(500):
+                call(next(it) % n)
+            torch.cuda.synchronize()
+            pr.disable()
+            buf = io.StringIO()
+            pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
+            (out_dir / "eager_profile.txt").write_text(buf.getvalue())
+        case = call = None
+        torch.cuda.empty_cache()
+    result = {"provenance": bench.provenance({}), "what": __doc__.split("\n\n")[0], "rows": rows}
+    (out_dir / "eager_probe.json").write_text(json.dumps(result, indent=1) + "\n")
+    print("wrote", out_dir / "eager_probe.json")
+
+
+if __name__ == "__main__":
+    main()
