@@ -263,12 +263,17 @@ class Launcher:
 _LAUNCHER_TAKES_CONSTEXPRS = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 3)
 
 
-def _aligned(args) -> bool:
-    """Whether every tensor among ``args`` starts at a multiple of 16 bytes."""
+def _addresses(args):
+    """``args`` with each tensor replaced by its address, or None when an address is not a
+    multiple of 16 bytes (Triton specializes on that)."""
+    out = []
     for a in args:
-        if isinstance(a, torch.Tensor) and a.data_ptr() % 16:
-            return False
-    return True
+        if isinstance(a, torch.Tensor):
+            a = a.data_ptr()
+            if a % 16:
+                return None
+        out.append(a)
+    return out
 
 
 class BoundLaunch:
@@ -280,8 +285,11 @@ class BoundLaunch:
     first call whose pointers all are goes through Triton and keeps the compiled kernel it
     returns; later such calls launch that kernel directly, the constexprs appended in signature
     order. Any other call, or a kernel that is not compiled (the interpreter, a stub), takes
-    Triton's path. (A compiled kernel's launcher takes a three-dimensional grid; Triton's path
-    pads a shorter one, so the direct launch does too.)"""
+    Triton's path. The direct launch passes each tensor as its address: for a tensor, Triton's
+    launcher asks the driver whether its pointer is a device one, a driver call per pointer
+    that the plan's signature check (every tensor on the plan's device) already answers. (A
+    compiled kernel's launcher takes a three-dimensional grid; Triton's path pads a shorter
+    one, so the direct launch does too.)"""
 
     def __init__(self, grid, constexprs: dict):
         self.grid, self.constexprs = tuple(grid), constexprs
@@ -289,12 +297,14 @@ class BoundLaunch:
         self._kernel = self._compiled = self._tail = None
 
     def __call__(self, kernel, args: tuple) -> None:
-        if self._compiled is not None and kernel is self._kernel and _aligned(args):
-            self._compiled[self._grid3](*args, *self._tail)
-            return
+        if self._compiled is not None and kernel is self._kernel:
+            addresses = _addresses(args)
+            if addresses is not None:
+                self._compiled[self._grid3](*addresses, *self._tail)
+                return
         compiled = kernel[self.grid](*args, **self.constexprs)
         if (self._compiled is None and isinstance(compiled, CompiledKernel) and _LAUNCHER_TAKES_CONSTEXPRS
-                and _aligned(args)):
+                and _addresses(args) is not None):
             self._kernel, self._compiled, self._tail = kernel, compiled, self._constexpr_tail(kernel, len(args))
 
     def _constexpr_tail(self, kernel, n_args: int):
@@ -305,7 +315,6 @@ class BoundLaunch:
         if any(v is inspect.Parameter.empty for v in tail):
             raise TypeError(f"{kernel.fn.__name__}: no value for {[p.name for p in params]}")
         return tail
-
 
 def run(launch: Launch, q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
         extra_topk_length, out, lse, po=None, plse=None) -> None:

@@ -49,7 +49,7 @@ INFO_IMPLS = ("mma-bf16",)
 
 def _forced(config_for, q, k_cache, indices, **kw):
     """mla.sparse_decode with the launch forced to ``config_for(q, indices, kw)``'s config."""
-    return mla.sparse_decode(q, k_cache, indices, **kw, plan=mla.plan(q, k_cache, indices, **kw,
+    return mla.sparse_decode(q, k_cache, indices, **kw, plan=mla.plan(q, k_cache, indices, **kw, impl="mma",
                                                                       config=config_for(q, indices, kw)))
 
 
@@ -70,7 +70,7 @@ def _bf16_operands(q, k_cache, indices, **kw):
     b, s_q, h_q, _ = q.shape
     out = torch.empty(b, s_q, h_q, 512, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=q.device)
-    plan = mla.plan(q, k_cache, indices, **kw, config=dispatch.tl_dot_config(q.device, h_q))
+    plan = mla.plan(q, k_cache, indices, **kw, impl="mma", config=dispatch.tl_dot_config(q.device, h_q))
     launcher = plan.launcher
     launcher.kwargs["DOT"] = triton.language.bfloat16     # in place: the plan's launches hold this dict
     launcher(q, k_cache, indices, kw.get("attn_sink"), kw.get("topk_length"), kw.get("extra_k_cache"),

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from conftest import DEVICE
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXPERIMENTS = ROOT / "experiments"
 #: modules that other code imports (tests, notebooks), not scripts: no ``__main__``, no ``--help``
@@ -58,6 +60,6 @@ def test_the_gpu_validations_bf16_variant_reaches_the_kernel(monkeypatch):
             return lambda *args, **kw: seen.append(kw)
 
     monkeypatch.setattr(dispatch.tl_dot, "tl_dot_decode_kernel", Recording())
-    c = make_case(b=1, s_q=1, h_q=4, topk=16, page=16, sink=False, seed=1)
+    c = make_case(b=1, s_q=1, h_q=4, topk=16, page=16, sink=False, seed=1, device=DEVICE)
     gv._bf16_operands(c["q"], c["k_cache"], c["indices"])
     assert seen and all(kw["DOT"] is tl.bfloat16 for kw in seen)

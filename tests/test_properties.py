@@ -12,6 +12,9 @@ from hypothesis import strategies as st
 
 import mla
 import mla.validate as mv
+from mla.validate.cases import poison_unreferenced
+from mla.validate.sweep import _clone_cache
+from conftest import DEVICE
 from experiments.broken_decodes import BROKEN, CORRECT_F32
 
 SETTINGS = settings(max_examples=20, deadline=None, derandomize=True, database=None, print_blob=True,
@@ -57,13 +60,27 @@ def test_every_impl_matches_the_float64_reference_on_random_small_shapes(impl, d
 @given(spec=small_specs())
 def test_the_result_does_not_depend_on_unreferenced_bytes(spec):
     """NaN in unreferenced bytes never reaches out, and zeros there give the same bits."""
-    case = spec.make("cpu")
+    case = spec.make(DEVICE)
     out, lse = mla.sparse_decode(**case, impl="mma")
     assert not out.isnan().any() and not lse.isnan().any()
     assert mv.unreferenced_invariant(functools.partial(mla.sparse_decode, impl="mma"), case, out, lse)
 
 
 # ---- the harness itself -------------------------------------------------------------------
+
+def test_a_one_page_cache_without_its_padding_is_poisoned_and_cloned():
+    """A one-page cache moved with ``.to(device)`` (here: cloned) keeps its padded page stride,
+    but its storage ends after the tokens: the case maker's poisoning and the sweep's clone
+    stay inside that storage (the one-page, one-block cases failed so on the GPU)."""
+    cache = mla.quantize_kv(torch.randn(1, 1, 512).bfloat16()).clone()
+    assert cache.stride(0) == 1152 and cache.untyped_storage().nbytes() == 584
+    before = cache.view(torch.uint8).flatten().clone()
+    poison_unreferenced(cache, torch.tensor([[[-1]]]))
+    poisoned = cache.view(torch.uint8).flatten()
+    assert (poisoned[:448] == 0x7F).all() and (poisoned[448:576] == 0xFF).all() and not torch.equal(poisoned, before)
+    copy = _clone_cache(cache)
+    assert copy.stride() == cache.stride() and torch.equal(copy.view(torch.uint8), cache.view(torch.uint8))
+
 
 def test_every_broken_variant_is_caught_and_the_correct_one_passes():
     df = mv.sweep(dict(BROKEN, correct=CORRECT_F32), mv.quick_cases(), "cpu", progress=False)

@@ -324,8 +324,9 @@ def test_a_bound_launch_goes_through_triton_once_then_launches_the_compiled_kern
     for _ in range(3):
         bound(kernel, (x, y, 12))
     assert kernel.calls == [((4, 2), (x, y, 12), {"A": 1, "C": 5, "num_warps": 8})]
-    # the constexprs in signature order, defaults filled in, the compile option left out
-    assert compiled.launches == [((4, 2, 1), (x, y, 12, 1, 7, 5))] * 2
+    # tensors as their addresses, the constexprs in signature order, defaults filled in, the
+    # compile option left out
+    assert compiled.launches == [((4, 2, 1), (x.data_ptr(), y.data_ptr(), 12, 1, 7, 5))] * 2
 
 
 def test_a_bound_launch_takes_tritons_path_for_misaligned_pointers_other_kernels_and_the_interpreter():

@@ -18,10 +18,21 @@ def invalid_values(n_tokens: int) -> list[int]:
     return [-1, -2 ** 31, 2 ** 31 - 1, n_tokens]
 
 
+def cache_span(cache: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a cache's bytes from its first page to the end of its last page's
+    stride padding, or of its storage where that ends first: a one-page cache moved with
+    ``.to(device)`` keeps its page stride but not the padding after its tokens."""
+    u8 = cache.view(torch.uint8)
+    room = u8.untyped_storage().nbytes() - u8.storage_offset()
+    return torch.as_strided(u8, (min(cache.shape[0] * cache.stride(0), room),), (1,))
+
+
 def _fill_unreferenced(cache: torch.Tensor, used: torch.Tensor, nope: int, rope: int, scale: int, pad: int) -> None:
     nb, p = cache.shape[0], cache.shape[1]
     ps = cache.stride(0)
-    flat = torch.as_strided(cache.view(torch.uint8), (nb, ps), (ps, 1))
+    span = cache_span(cache)
+    width = ps if span.numel() == nb * ps else p * TOKEN_BYTES      # the last page's padding may be absent
+    flat = torch.as_strided(span, (nb, width), (ps, 1))
     keep = torch.zeros(nb * p, dtype=torch.bool, device=cache.device)
     u = used.reshape(-1).long()
     keep[u[(u >= 0) & (u < nb * p)]] = True
@@ -31,7 +42,7 @@ def _fill_unreferenced(cache: torch.Tensor, used: torch.Tensor, nope: int, rope:
     data[..., :NOPE_BYTES].masked_fill_(drop[..., None], nope)
     data[..., NOPE_BYTES:].masked_fill_(drop[..., None], rope)
     scales.masked_fill_(drop[..., None], scale)
-    if ps > p * TOKEN_BYTES:
+    if width > p * TOKEN_BYTES:
         flat[:, p * TOKEN_BYTES:] = pad
 
 

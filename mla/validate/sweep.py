@@ -12,7 +12,8 @@ import torch
 
 from ..api import sparse_decode
 from ..reference import sparse_decode_reference
-from .cases import CaseSpec, _as_spec, _fill_unreferenced, _valid_positions, odd_cases, poison_allocator, quick_cases
+from .cases import (CaseSpec, _as_spec, _fill_unreferenced, _valid_positions, cache_span, odd_cases, poison_allocator,
+                    quick_cases)
 from .compare import LSE_ABS, LSE_COS, LSE_REL, OUT_ABS, OUT_COS, OUT_REL, Closeness, check_against_reference
 
 def run_case(fn, case: dict) -> tuple[Closeness, Closeness]:
@@ -68,10 +69,7 @@ def _sync(device):
 
 def _clone_cache(cache: torch.Tensor) -> torch.Tensor:
     """A copy with the same shape and strides (the stride padding included)."""
-    nb, ps = cache.shape[0], cache.stride(0)
-    src = torch.as_strided(cache.view(torch.uint8), (nb, ps), (ps, 1))
-    buf = src.clone()
-    return buf.view(-1).as_strided(cache.shape, cache.stride()).view(cache.dtype)
+    return cache_span(cache).clone().as_strided(cache.shape, cache.stride()).view(cache.dtype)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
