@@ -29,7 +29,8 @@ nbsetup() {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   for part in "$@"; do
     case "$part" in
-      tests) step "${TESTS_S:-300}" python3 -m pytest -q -m "not slow" -p no:cacheprovider ;;
+      tests) nbsetup      # the chapter tests import nbformat
+        step "${TESTS_S:-300}" python3 -m pytest -q -m "not slow" -p no:cacheprovider -rfE ;;
       validation) step "${VALIDATION_S:-240}" python3 scripts/gpu_validation.py --out "$OUT/val" \
         --budget-s "${VALIDATION_BUDGET_S:-150}" ;;
       bench) step "${BENCH_S:-330}" python3 -m mla.bench --repeat 3 --out "$OUT/res" --no-progress ;;
