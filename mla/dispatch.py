@@ -316,6 +316,7 @@ class BoundLaunch:
             raise TypeError(f"{kernel.fn.__name__}: no value for {[p.name for p in params]}")
         return tail
 
+
 def run(launch: Launch, q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
         extra_topk_length, out, lse, po=None, plse=None) -> None:
     """Launch ``launch`` once (a :class:`Launcher` for this call) into ``out`` and ``lse``."""

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import mla
+import mla.flash_mla as mla_flash_mla
 from mla.bench import spec_shapes
 from mla.configs import GLUON_FORMS, GluonConfig
 from mla.validate import make_case, run_case
@@ -122,11 +123,9 @@ def test_a_planned_call_is_captured_in_a_cuda_graph_and_replayed_over_new_indice
 
 @pytest.mark.parametrize("name", ["DSA b4", "V4-CSA b8"])
 def test_flashmlas_call_on_mla_equals_sparse_decode(name):
-    import mla.flash_mla as flash_mla
-
     case = make_case(**SHAPES[name], device="cuda", seed=9)
-    meta, _ = flash_mla.get_mla_metadata()
-    out, lse = flash_mla.flash_mla_with_kvcache(
+    meta, _ = mla_flash_mla.get_mla_metadata()
+    out, lse = mla_flash_mla.flash_mla_with_kvcache(
         case["q"], case["k_cache"], None, None, 512, meta, None, None, False, True, case["indices"],
         case.get("attn_sink"), case.get("extra_k_cache"), case.get("extra_indices"), case.get("topk_length"),
         case.get("extra_topk_length"))
@@ -155,10 +154,8 @@ def flashmla_call(module, case):
 
 @pytest.mark.parametrize("name", list(BENCH_SHAPES))
 def test_flashmlas_call_on_mla_equals_sparse_decode_at_the_benchmark_shapes(name):
-    import mla.flash_mla as flash_mla
-
     case = bench_case(BENCH_SHAPES[name], seed=11)
-    out, lse = flashmla_call(flash_mla, case)
+    out, lse = flashmla_call(mla_flash_mla, case)
     want_out, want_lse = mla.sparse_decode(**case)
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
 
@@ -169,11 +166,9 @@ def test_flashmla_itself_and_mla_flash_mla_agree_with_the_reference_at_the_bench
     call and the same call on mla.flash_mla return the same shapes and dtypes, and both pass the
     contract's check against the float64 reference."""
     flashmla = pytest.importorskip("flash_mla", reason="DeepSeek's FlashMLA extension is not built here")
-    import mla.flash_mla as ours
-
     case = bench_case(BENCH_SHAPES[name], seed=12)
     ref = mla.sparse_decode_reference(**case, out_dtype=torch.float64)
-    for module in (flashmla, ours):
+    for module in (flashmla, mla_flash_mla):
         out, lse = flashmla_call(module, case)
         assert out.shape == case["q"].shape and out.dtype == torch.bfloat16, module.__name__
         assert lse.shape == (case["q"].shape[0], case["q"].shape[2], case["q"].shape[1]), module.__name__
