@@ -26,14 +26,17 @@ ARCHS = tuple(SMEM_LIMIT)
 
 # Argument types of the decode kernels, by name (pointer element types and scalars).
 _DECODE_TYPES = {
-    "q_ptr": "*bf16", "out_ptr": "*bf16", "lse_ptr": "*fp32", "sink_ptr": "*fp32", "po_ptr": "*fp16",
-    "plse_ptr": "*fp32", "kc_ptr": "*u8", "kc_stride": "i32", "kc_P": "i32", "kc_n": "i32", "idx_ptr": "*i32",
-    "topk": "i32", "len_ptr": "*i32", "ec_ptr": "*u8", "ec_stride": "i32", "ec_P": "i32", "ec_n": "i32",
-    "eidx_ptr": "*i32", "etopk": "i32", "elen_ptr": "*i32", "s_q": "i32", "h_q": "i32",
-    "sm_scale_log2": "fp32", "num_splits": "i32",
+    "q_ptr": "*bf16", "q_sb": "i32", "q_ss": "i32", "q_sh": "i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
+    "sink_ptr": "*fp32", "sink_stride": "i32", "po_ptr": "*fp16", "plse_ptr": "*fp32", "rec_ptr": "*i32",
+    "kc_ptr": "*u8", "kc_stride": "i32", "kc_P": "i32", "kc_n": "i32", "idx_ptr": "*i32", "idx_sb": "i32",
+    "idx_ss": "i32", "topk": "i32", "len_ptr": "*i32", "len_stride": "i32", "ec_ptr": "*u8", "ec_stride": "i32",
+    "ec_P": "i32", "ec_n": "i32", "eidx_ptr": "*i32", "eidx_sb": "i32", "eidx_ss": "i32", "etopk": "i32",
+    "elen_ptr": "*i32", "elen_stride": "i32", "n_q": "i32", "s_q": "i32", "h_q": "i32", "sm_scale_log2": "fp32",
+    "share": "i32", "num_programs": "i32", "num_splits": "i32",
 }
-_ALIGNED = {"q_ptr", "out_ptr", "lse_ptr", "sink_ptr", "po_ptr", "plse_ptr", "kc_ptr", "idx_ptr", "len_ptr",
-            "ec_ptr", "eidx_ptr", "elen_ptr", "kc_stride", "ec_stride"}
+_ALIGNED = {"q_ptr", "out_ptr", "lse_ptr", "sink_ptr", "po_ptr", "plse_ptr", "rec_ptr", "kc_ptr", "idx_ptr",
+            "len_ptr", "ec_ptr", "eidx_ptr", "elen_ptr", "kc_stride", "ec_stride", "q_sb", "q_ss", "q_sh",
+            "idx_sb", "idx_ss", "eidx_sb", "eidx_ss"}
 
 
 def _kernel(name: str):
@@ -189,21 +192,21 @@ def _worker():
     sys.stdout.write("\n" + json.dumps(out) + "\n")
 
 
-def _flags(has_extra: bool, partial: bool) -> dict:
-    return {"HAS_SINK": True, "HAS_LEN": True, "HAS_EXTRA": has_extra, "HAS_ELEN": has_extra, "PARTIAL": partial}
+def _flags(has_extra: bool, lengths: bool = True) -> dict:
+    return {"HAS_SINK": True, "HAS_LEN": lengths, "HAS_EXTRA": has_extra, "HAS_ELEN": has_extra and lengths}
 
 
 def tl_dot_variant(arch: int, block_h=64, block_n=64, num_warps=8, num_stages=1, dv_halves=1, has_extra=True,
-                   partial=True, dot="float16", maxnreg=0, asm: tuple = (), loops=False) -> dict:
+                   lengths=True, dot="float16", maxnreg=0, asm: tuple = (), loops=False) -> dict:
     """The ``tl.dot`` kernel's variant for ``arch`` (sink and lengths on); ``maxnreg`` caps the
     registers ptxas may use."""
     return {"kernel": "tl_dot_decode_kernel", "arch": arch, "num_warps": num_warps, "num_stages": num_stages,
             "maxnreg": maxnreg, "loops": loops, "asm": list(asm),
-            "constexprs": {**_flags(has_extra, partial), "BLOCK_H": block_h, "BLOCK_N": block_n,
+            "constexprs": {**_flags(has_extra, lengths), "BLOCK_H": block_h, "BLOCK_N": block_n,
                            "FP8_NATIVE": arch >= 89, "DOT": dot, "DV_HALVES": dv_halves}}
 
 
-def gluon_variant(form: str = "heads as M", has_extra=True, partial=True, align=16, asm: tuple = (),
+def gluon_variant(form: str = "heads as M", has_extra=True, lengths=True, align=16, asm: tuple = (),
                   loops=False) -> dict:
     """The Gluon sm_90 kernel's variant in a form of :data:`mla.configs.GLUON_FORMS` (sink and
     lengths on; cache rows copied ``align`` bytes at a time: 8 for page strides that are
@@ -214,7 +217,7 @@ def gluon_variant(form: str = "heads as M", has_extra=True, partial=True, align=
     opts = launch_options(*GLUON_FORMS[form])
     return {"kernel": "gluon_decode_kernel", "arch": 90, "num_warps": opts.pop("num_warps"), "num_stages": 1,
             "maxnreg": 0, "loops": loops, "asm": list(asm),
-            "constexprs": {**_flags(has_extra, partial), "ALIGN": align, **opts}}
+            "constexprs": {**_flags(has_extra, lengths), "ALIGN": align, **opts}}
 
 
 def config_variant(arch: int, cfg, asm: tuple = (), loops: bool = False, has_extra: bool = True) -> dict:

@@ -27,6 +27,20 @@ _SIGNATURE_ARGS = ("q", "k_cache", "indices", "softmax_scale", "attn_sink", "top
                    "extra_indices", "extra_topk_length")
 
 
+def _check_layout(t, arg, last_contiguous=True):
+    """The ValueError naming ``arg`` for a layout the kernels cannot read in place: a last dim
+    that is not contiguous (as FlashMLA asks), or strides whose elements overlap (a stride 0, or
+    one shorter than the extent of the smaller ones)."""
+    if last_contiguous and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        fail(arg, f"the last dim must be contiguous (stride 1), got strides {tuple(t.stride())}")
+    reach = 0
+    for st, n in sorted((t.stride(i), t.shape[i]) for i in range(t.dim()) if t.shape[i] > 1):
+        if st <= reach:
+            fail(arg, f"strides {tuple(t.stride())} of shape {tuple(t.shape)} make elements overlap: each must "
+                      "be positive and past the extent of the smaller ones")
+        reach += st * (n - 1)
+
+
 def _check_indices(ind, arg, b, s_q, device):
     if not isinstance(ind, torch.Tensor):
         fail(arg, f"expected a torch.Tensor, got {type(ind).__name__}")
@@ -40,6 +54,7 @@ def _check_indices(ind, arg, b, s_q, device):
         fail(arg, "topk must be >= 1")
     if ind.device != device:
         fail(arg, f"device mismatch: on {ind.device}, q is on {device}")
+    _check_layout(ind, arg)
 
 
 def _check_vector(t, arg, n, dtype, what, device):
@@ -51,6 +66,7 @@ def _check_vector(t, arg, n, dtype, what, device):
         fail(arg, f"expected shape [{what}] = [{n}], got {tuple(t.shape)}")
     if t.device != device:
         fail(arg, f"device mismatch: on {t.device}, q is on {device}")
+    _check_layout(t, arg, last_contiguous=False)
 
 
 def check_inputs(q, k_cache, indices, softmax_scale=None, attn_sink=None, topk_length=None,
@@ -71,6 +87,7 @@ def check_inputs(q, k_cache, indices, softmax_scale=None, attn_sink=None, topk_l
         fail("q", f"expected b >= 1 and s_q >= 1, got shape {tuple(q.shape)}")
     if not 1 <= h_q <= MAX_HEADS:
         fail("q", f"expected 1 <= h_q <= {MAX_HEADS}, got {h_q}")
+    _check_layout(q, "q")
     dev = q.device
     check_cache(k_cache, "k_cache")
     if k_cache.device != dev:
@@ -109,40 +126,42 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     return "mma" if device.type == "cuda" or _runtime.INTERPRET else "reference"
 
 
-def _signature(q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
+def signature(q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
                extra_topk_length) -> tuple:
-    """What a plan is made for, one entry per argument: shapes, dtypes and devices (and the
-    caches' page strides, offsets and storage sizes), and the scale with its type. Building it is
-    the whole check of a planned call, so it is written out flat."""
+    """What a plan is made for, one entry per argument: shapes, strides, dtypes and devices (and
+    the caches' page strides, offsets and storage sizes), and the scale with its type. Building
+    it is the whole check of a planned call, so it is written out flat."""
     e = extra_k_cache
-    return ((q.shape, q.dtype, q.device),
+    return ((q.shape, q.stride(), q.dtype, q.device),
             (k_cache.shape, k_cache.stride(0), k_cache.storage_offset(), k_cache.untyped_storage().nbytes(),
              k_cache.dtype, k_cache.device),
-            (indices.shape, indices.dtype, indices.device), (type(softmax_scale), softmax_scale),
-            None if attn_sink is None else (attn_sink.shape, attn_sink.dtype, attn_sink.device),
-            None if topk_length is None else (topk_length.shape, topk_length.dtype, topk_length.device),
+            (indices.shape, indices.stride(), indices.dtype, indices.device), (type(softmax_scale), softmax_scale),
+            None if attn_sink is None else (attn_sink.shape, attn_sink.stride(), attn_sink.dtype, attn_sink.device),
+            None if topk_length is None else (topk_length.shape, topk_length.stride(), topk_length.dtype,
+                                              topk_length.device),
             None if e is None else (e.shape, e.stride(0), e.storage_offset(), e.untyped_storage().nbytes(), e.dtype,
                                     e.device),
-            None if extra_indices is None else (extra_indices.shape, extra_indices.dtype, extra_indices.device),
-            None if extra_topk_length is None else (extra_topk_length.shape, extra_topk_length.dtype,
-                                                    extra_topk_length.device))
+            None if extra_indices is None else (extra_indices.shape, extra_indices.stride(), extra_indices.dtype,
+                                                extra_indices.device),
+            None if extra_topk_length is None else (extra_topk_length.shape, extra_topk_length.stride(),
+                                                    extra_topk_length.dtype, extra_topk_length.device))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
     """A decided call (:func:`plan`): the impl and, for ``"mma"``, the launch (kernel, form,
-    config, splits: ``plan.launch``), for every call whose arguments have the shapes, dtypes and
-    devices it was made for. A plan made by :func:`plan` owns its split workspace: calls with one
+    config, schedule: ``plan.launch``), for every call whose arguments have the shapes, strides,
+    dtypes and devices it was made for. A plan made by :func:`plan` owns its split workspace: calls with one
     plan must run in order on one stream, as the layers of a decode step do."""
 
     impl: str
     signature: tuple
     launcher: dispatch.Launcher | None = None
-    workspace: tuple = (None, None)
+    workspace: tuple = (None, None, None)
 
     @property
     def launch(self) -> dispatch.Launch | None:
-        """The kernel, its config and form, and the split count (None unless ``impl="mma"``)."""
+        """The kernel, its config and form, and the schedule (None unless ``impl="mma"``)."""
         return None if self.launcher is None else self.launcher.launch
 
     @property
@@ -151,62 +170,65 @@ class Plan:
 
     @property
     def device(self) -> torch.device:
-        return self.signature[0][2]
+        return self.signature[0][3]
 
     def fits(self, q, k_cache, indices, *, softmax_scale=None, attn_sink=None, topk_length=None,
              extra_k_cache=None, extra_indices=None, extra_topk_length=None) -> bool:
         """Whether a call with these arguments may use this plan (:func:`sparse_decode` raises a
         ValueError naming the first argument that does not fit)."""
         try:
-            return _signature(q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache,
+            return signature(q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache,
                               extra_indices, extra_topk_length) == self.signature
         except (AttributeError, TypeError, IndexError):
             return False
 
     def __repr__(self):
         b, s_q, h_q, _ = self.q_shape
-        what = self.impl if self.launch is None else f"{self.launch.config.label}, {self.launch.splits} split(s)"
+        what = self.impl if self.launch is None else self.launch.label
         return f"Plan(b={b}, s_q={s_q}, h_q={h_q}, topk={self.signature[2][0][2]}: {what})"
 
 
 def _make_plan(sig, q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
-               extra_topk_length, impl, config, splits, own_workspace) -> Plan:
+               extra_topk_length, impl, config, programs, own_workspace) -> Plan:
     check_inputs(q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
                  extra_topk_length, impl)
     impl = resolve_impl(impl, q.device)
     if impl != "mma":
-        if config is not None or splits is not None:
-            fail("config" if config is not None else "splits", f"only impl='mma' takes a config; got impl={impl!r}")
+        if config is not None or programs is not None:
+            fail("config" if config is not None else "programs",
+                 f"only impl='mma' takes a config; got impl={impl!r}")
         return Plan(impl, sig)
     b, s_q, h_q, _ = q.shape
     extra_topk = extra_indices.shape[-1] if extra_k_cache is not None else 0
     align = dispatch.gluon_align(k_cache, extra_k_cache)
-    if splits is not None and (not isinstance(splits, int) or splits < 1):
-        fail("splits", f"expected an int >= 1, got {splits!r}")
-    launch = dispatch.plan_launch(q.device, b, s_q, h_q, indices.shape[-1], extra_topk, align, config, splits)
-    ws = dispatch.workspace(launch, b, s_q, h_q, q.device) if own_workspace else (None, None)
-    launcher = dispatch.Launcher(launch, q.shape, k_cache, indices.shape[-1], extra_k_cache, extra_topk,
-                                 softmax_scale, attn_sink is not None, topk_length is not None,
-                                 extra_topk_length is not None)
+    if programs is not None and (not isinstance(programs, int) or programs < 1):
+        fail("programs", f"expected an int >= 1, got {programs!r}")
+    lengths = topk_length is not None or extra_topk_length is not None
+    launch = dispatch.plan_launch(q.device, b, s_q, h_q, indices.shape[-1], extra_topk, align, lengths, config,
+                                  programs)
+    ws = dispatch.workspace(launch, b, s_q, h_q, q.device) if own_workspace else (None, None, None)
+    launcher = dispatch.Launcher(launch, q, k_cache, indices, attn_sink, topk_length, extra_k_cache, extra_indices,
+                                 extra_topk_length, softmax_scale)
     return Plan("mma", sig, launcher, ws)
 
 
 def plan(q, k_cache, indices, *, softmax_scale=None, attn_sink=None, topk_length=None, extra_k_cache=None,
-         extra_indices=None, extra_topk_length=None, impl="auto", config=None, splits=None) -> Plan:
+         extra_indices=None, extra_topk_length=None, impl="auto", config=None, programs=None) -> Plan:
     """Decide a call once: the arguments of :func:`sparse_decode` (their values are not read,
-    only their shapes, dtypes and devices), checked. ``config`` (a :class:`mla.configs.TlDotConfig`
-    or :class:`mla.configs.GluonConfig`) and ``splits`` force the launch, for tests and
-    experiments. Returns a :class:`Plan` for ``sparse_decode(..., plan=...)``."""
+    only their shapes, strides, dtypes and devices), checked. ``config`` (a
+    :class:`mla.configs.TlDotConfig` or :class:`mla.configs.GluonConfig`) and ``programs`` (the
+    work list's shares; the two-consumer form's splits per query) force the launch, for tests
+    and experiments. Returns a :class:`Plan` for ``sparse_decode(..., plan=...)``."""
     sig = _signature_or_check(q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache,
                               extra_indices, extra_topk_length, impl)
     return _make_plan(sig, q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
-                      extra_topk_length, impl, config, splits, own_workspace=True)
+                      extra_topk_length, impl, config, programs, own_workspace=True)
 
 
 def _signature_or_check(*args):
     """The call's signature, or the check's ValueError when an argument is not even a tensor."""
     try:
-        return _signature(*args[:9])
+        return signature(*args[:9])
     except (AttributeError, TypeError, IndexError):
         check_inputs(*args)
         raise
@@ -288,7 +310,7 @@ def sparse_decode(q, k_cache, indices, *, softmax_scale=None, attn_sink=None, to
             r_lse = lse
         return r_out, r_lse
     try:
-        sig = _signature(q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
+        sig = signature(q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
                          extra_topk_length)
     except (AttributeError, TypeError, IndexError):
         check_inputs(q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
@@ -306,7 +328,15 @@ def sparse_decode(q, k_cache, indices, *, softmax_scale=None, attn_sink=None, to
             _mismatch(plan, sig)
         if impl != "auto" and impl != plan.impl:
             fail("impl", f"the plan is for impl={plan.impl!r}, the call asks for {impl!r}")
-    q_shape, _, dev = sig[0]
+    return planned_call(plan, sig, q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache,
+                         extra_indices, extra_topk_length, out, lse)
+
+
+def planned_call(plan, sig, q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache,
+                  extra_indices, extra_topk_length, out, lse):
+    """Run a call that matches ``plan`` (its signature ``sig`` already compared): the output
+    buffers, then the launches."""
+    q_shape, _, _, dev = sig[0]
     b, s_q, h_q, _ = q_shape
     if out is None:
         out = torch.empty(b, s_q, h_q, D_QK, dtype=torch.bfloat16, device=dev)

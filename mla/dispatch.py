@@ -1,5 +1,5 @@
-"""The launch rule: which kernel runs a call, in which form and config, with how many splits,
-and the launch itself. The only module that imports both the configs and the kernels.
+"""The launch rule: which kernel runs a call, in which form and config, on which schedule, and
+the launch itself. The only module that imports both the configs and the kernels.
 
 From the shapes and the device alone (no host sync), for ``impl="mma"``:
 
@@ -10,7 +10,9 @@ From the shapes and the device alone (no host sync), for ``impl="mma"``:
   programs per head block where the grid is small (:func:`fill_small_grid`);
 - a Gluon pick whose caches it cannot copy (:func:`mla.kernels.gluon_sm90.row_align`) falls
   back to the ``tl.dot`` config;
-- the split count (:func:`num_splits`) models the time from the grid and the token tiles.
+- the schedule (:func:`programs_for`): the flat work list of :mod:`mla.schedule`, its share
+  size from the shapes or, with lengths, from the lengths on the device; uniform splits for
+  the one form with a program per query piece.
 """
 from __future__ import annotations
 
@@ -22,12 +24,20 @@ import torch
 import triton
 from triton.compiler import CompiledKernel
 
-from . import _runtime, configs
+from . import _runtime, configs, schedule
 from .configs import GLUON_FORMS, GluonConfig, TlDotConfig
 from .kernels import combine, tl_dot
 from .kernels.common import LOG2E, fp8_native
 from .kernels.simt import simt_sparse_decode
 from .layout import D_QK
+
+#: tokens per ring stage of the Gluon kernel (its schedule's tile)
+GLUON_RING_N = 64
+
+try:                       # Triton's runtime settings (launch hooks): Triton 3.4 and newer
+    from triton import knobs
+except ImportError:
+    knobs = None
 
 try:                       # Gluon's Hopper module: Triton 3.5 and newer
     from .kernels import gluon_sm90
@@ -98,24 +108,54 @@ def choose_config(cfg: TlDotConfig, gluon: bool, b: int, s_q: int, h_q: int, top
     return GluonConfig("heads as M") if gluon else cfg
 
 
-def splits_for(cfg, b: int, s_q: int, h_q: int, topk_total: int, sms: int) -> int:
-    """:func:`num_splits` for a config of either kernel."""
-    return num_splits(b, s_q, h_q, topk_total, cfg.block_h, cfg.block_n, getattr(cfg, "dv_halves", 1), sms)
+def programs_for(cfg, n_q: int, h_q: int, topk: int, extra_topk: int, sms: int, has_lengths: bool) -> tuple:
+    """(programs, share) of a call: for the flat work list (:mod:`mla.schedule`), the persistent
+    programs per head block and the share size in units, 0 where the kernel takes it from the
+    lengths on the device (the programs then being as many as the GPU runs at once); for the
+    two-consumer form, the uniform splits of each query (:func:`num_splits`) and 0."""
+    if cfg.kernel == "gluon" and cfg.two_consumers:
+        return num_splits(n_q, 1, h_q, topk + extra_topk, cfg.block_h, cfg.block_n, 1, sms), 0
+    heads = _cdiv(h_q, cfg.block_h) * getattr(cfg, "dv_halves", 1)
+    slots = max(1, sms // heads)
+    if cfg.kernel == "gluon":
+        block_n, unit = GLUON_RING_N, cfg.block_n // GLUON_RING_N
+    else:
+        block_n, unit = cfg.block_n, 1
+    units = schedule.query_units(topk, extra_topk, block_n, unit)[1]
+    if has_lengths:
+        return min(slots, n_q * units), 0
+    share = schedule.choose_share(n_q, units, slots)
+    return _cdiv(n_q * units, share), share
 
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """What a tensor-core call launches: the config (its kernel and form), the split count, and,
-    for the Gluon kernel, the width of its ring's copies (:func:`~mla.kernels.gluon_sm90.row_align`)."""
+    """What a tensor-core call launches: the config (its kernel and form), the schedule
+    (:func:`programs_for`: ``programs`` and ``share``), whether the combine runs, and, for the
+    Gluon kernel, the width of its ring's copies (:func:`~mla.kernels.gluon_sm90.row_align`)."""
 
     config: TlDotConfig | GluonConfig
-    splits: int
+    programs: int
+    share: int = 0
+    combine: bool = True
     align: int = 0
     fp8_native: bool = False
 
     @property
     def kernel(self) -> str:
         return self.config.kernel
+
+    @property
+    def flat(self) -> bool:
+        """Whether the call runs the flat work list (every form but the two-consumer one)."""
+        return not (self.config.kernel == "gluon" and self.config.two_consumers)
+
+    @property
+    def label(self) -> str:
+        if not self.flat:
+            return f"{self.config.label}, {self.programs} split(s) per query"
+        cut = f"shares of {self.share} units" if self.share else "shares from the lengths"
+        return f"{self.config.label}, {self.programs} program(s), {cut}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -156,23 +196,33 @@ def gluon_align(k_cache, extra_k_cache=None) -> int:
     return gluon_sm90.row_align(*caches)
 
 
-def decide(table: dict, gluon: bool, sms: int, b: int, s_q: int, h_q: int, topk_total: int, align: int):
-    """(config, splits) that the launch rule picks on given facts, no GPU needed: ``table`` the
-    ``tl.dot`` table of the GPU (:func:`mla.configs.table_for`), ``gluon`` whether the Gluon
-    kernel may run, ``sms`` its SM count, ``align`` the caches' :func:`gluon_align`."""
+def decide(table: dict, gluon: bool, sms: int, b: int, s_q: int, h_q: int, topk: int, extra_topk: int, align: int,
+           has_lengths: bool = False):
+    """(config, programs, share) that the launch rule picks on given facts, no GPU needed:
+    ``table`` the ``tl.dot`` table of the GPU (:func:`mla.configs.table_for`), ``gluon`` whether
+    the Gluon kernel may run, ``sms`` its SM count, ``align`` the caches' :func:`gluon_align`,
+    ``has_lengths`` whether the call gives ``topk_length`` or ``extra_topk_length``."""
     tl_cfg = configs.bucket_config(table, h_q)
-    cfg = choose_config(tl_cfg, gluon, b, s_q, h_q, topk_total, sms)
+    cfg = choose_config(tl_cfg, gluon, b, s_q, h_q, topk + extra_topk, sms)
     if cfg.kernel == "gluon" and not align:     # caches the Gluon kernel cannot copy
         cfg = tl_cfg
-    return cfg, splits_for(cfg, b, s_q, h_q, topk_total, sms)
+    return (cfg, *programs_for(cfg, b * s_q, h_q, topk, extra_topk, sms, has_lengths))
+
+
+def _units(cfg, topk: int, extra_topk: int) -> int:
+    """Units of a query with every position valid, in the config's schedule unit."""
+    if cfg.kernel == "gluon":
+        return schedule.query_units(topk, extra_topk, GLUON_RING_N, cfg.block_n // GLUON_RING_N)[1]
+    return schedule.query_units(topk, extra_topk, cfg.block_n)[1]
 
 
 def plan_launch(device: torch.device, b: int, s_q: int, h_q: int, topk: int, extra_topk: int, align: int,
-                config=None, splits: int | None = None) -> Launch:
+                has_lengths: bool = False, config=None, programs: int | None = None) -> Launch:
     """The launch for these shapes on ``device``; ``align`` is :func:`gluon_align` of the caches
-    (0 where there is no Gluon). ``config`` and ``splits`` force a choice (tests, experiments)."""
+    (0 where there is no Gluon). ``config`` and ``programs`` force a choice (tests, experiments):
+    ``programs`` shares of the work list cut equally (or uniform splits of each query, for the
+    two-consumer form)."""
     sms, table, gluon, native = _facts(device)
-    total = topk + extra_topk
     if config is not None:
         cfg = config.for_heads(h_q)
         if cfg.kernel == "gluon":
@@ -186,94 +236,145 @@ def plan_launch(device: torch.device, b: int, s_q: int, h_q: int, topk: int, ext
     elif table is None:                        # the interpreter: one small config
         cfg = tl_dot_config(device, h_q)
     else:
-        cfg = decide(table, gluon, sms, b, s_q, h_q, total, align)[0]
-    ns = splits if splits is not None else splits_for(cfg, b, s_q, h_q, total, sms)
-    return Launch(cfg, ns, align if cfg.kernel == "gluon" else 0, native)
+        cfg = decide(table, gluon, sms, b, s_q, h_q, topk, extra_topk, align)[0]
+    n_q = b * s_q
+    if programs is None:
+        programs, share = programs_for(cfg, n_q, h_q, topk, extra_topk, sms, has_lengths)
+    else:
+        share = 0 if has_lengths else _cdiv(n_q * _units(cfg, topk, extra_topk), programs)
+    launch = Launch(cfg, programs, share, True, align if cfg.kernel == "gluon" else 0, native)
+    return dataclasses.replace(launch, combine=needs_combine(launch, topk, extra_topk, has_lengths))
+
+
+def needs_combine(launch: Launch, topk: int, extra_topk: int, has_lengths: bool) -> bool:
+    """Whether a launch may split a query, so that the combine must run: with lengths on the
+    device, always; else where the shares do not fall on query boundaries (for the two-consumer
+    form, where each query has more than one split)."""
+    if not launch.flat:
+        return launch.programs > 1
+    return has_lengths or launch.share % _units(launch.config, topk, extra_topk) != 0
 
 
 def workspace(launch: Launch, b: int, s_q: int, h_q: int, device) -> tuple:
-    """The split partials' buffers (partial outputs as fp16, lse in log2 units), or (None, None)."""
-    if launch.splits <= 1:
-        return None, None
-    return (torch.empty(b * s_q, launch.splits, h_q, D_QK, dtype=torch.float16, device=device),
-            torch.empty(b * s_q, launch.splits, h_q, dtype=torch.float32, device=device))
+    """The buffers of a call beside its output: the split partials (outputs as fp16, lse in log2
+    units; None where no query is split) and, for the flat work list, each share's record for
+    the combine (:func:`mla.kernels.common.write_share_record`)."""
+    slots = 2 * launch.programs if launch.flat else b * s_q * launch.programs
+    po = plse = None
+    if launch.combine:
+        po = torch.empty(slots, h_q, D_QK, dtype=torch.float16, device=device)
+        plse = torch.empty(slots, h_q, dtype=torch.float32, device=device)
+    rec = torch.empty(launch.programs if launch.flat else 1, 3, dtype=torch.int32, device=device)
+    return po, plse, rec
 
 
 def _u8(cache):
     return cache if cache.dtype == torch.uint8 else cache.view(torch.uint8)
 
 
-class Launcher:
-    """A launch bound to what its calls share (made once per plan): the kernel's grid and
-    constexprs, the caches' page strides and sizes, the top-k widths and the scale. Called with a
-    call's tensors (of those shapes), it launches the decode, and the combine when split. The
-    kernels are looked up at the call, so that a stub can stand in for them."""
+#: where a call's tensors go among the decode kernels' arguments (the flat kernels and the Gluon
+#: one share one signature): q, out, lse, the sink, the partials, the records, the main cache,
+#: its indices and lengths, the extra cache, its indices and lengths
+_DECODE_TENSORS = (0, 4, 5, 6, 8, 9, 10, 11, 15, 19, 21, 25, 29)
+#: and the combine's: the partials, the records, out, lse, the sink
+_COMBINE_TENSORS = (0, 1, 2, 3, 4, 5)
+#: the caches among them, which Triton's path takes as uint8
+_CACHE_SLOTS = (11, 21)
 
-    def __init__(self, launch: Launch, q_shape, k_cache, topk: int, extra_k_cache, extra_topk: int, softmax_scale,
-                 has_sink: bool, has_len: bool, has_elen: bool):
-        b, s_q, h_q, _ = q_shape
-        self.launch, self.s_q, self.h_q, self.splits = launch, s_q, h_q, launch.splits
+
+class Launcher:
+    """A launch bound to what its calls share (made once per plan): the kernels' grids and
+    constexprs, and every integer argument (the strides of q, the indices and the lengths, the
+    caches' page strides and sizes, the top-k widths, the scale, the schedule), which the plan's
+    signature fixes. Called with a call's tensors, it launches the decode, and the combine when a
+    query may be split. The kernels are looked up at the call, so that a stub can stand in."""
+
+    def __init__(self, launch: Launch, q, k_cache, indices, attn_sink=None, topk_length=None, extra_k_cache=None,
+                 extra_indices=None, extra_topk_length=None, softmax_scale=None):
+        b, s_q, h_q, _ = q.shape
+        self.launch, self.n_q, self.s_q, self.h_q = launch, b * s_q, s_q, h_q
         cfg = launch.config
         if cfg.kernel == "gluon":
             heads, tile_tokens, pair = GLUON_FORMS[cfg.form]
             self._module, self._name = gluon_sm90.kernel, "gluon_decode_kernel"
-            self.grid, kw = gluon_sm90.launch_params(b * s_q, h_q, launch.splits, heads=heads, tile_tokens=tile_tokens,
-                                                     two_consumers=pair, align=launch.align)
+            grid, kw = gluon_sm90.launch_params(b * s_q, h_q, launch.programs, heads=heads, tile_tokens=tile_tokens,
+                                                two_consumers=pair, align=launch.align)
         else:
             self._module, self._name = tl_dot, "tl_dot_decode_kernel"
-            self.grid, kw = tl_dot.launch_params(b * s_q, h_q, launch.splits, block_h=cfg.block_h,
-                                                 block_n=cfg.block_n, num_warps=cfg.num_warps,
-                                                 num_stages=cfg.num_stages, dv_halves=cfg.dv_halves,
-                                                 fp8_native=launch.fp8_native, dot=tl_dot.OPERAND_DTYPE)
+            grid, kw = tl_dot.launch_params(h_q, launch.programs, block_h=cfg.block_h, block_n=cfg.block_n,
+                                            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                            dv_halves=cfg.dv_halves, fp8_native=launch.fp8_native,
+                                            dot=tl_dot.OPERAND_DTYPE)
         self.has_extra = extra_k_cache is not None
-        self.kwargs = dict(HAS_SINK=has_sink, HAS_LEN=has_len, HAS_EXTRA=self.has_extra, HAS_ELEN=has_elen,
-                           PARTIAL=launch.splits > 1, **kw)
-        self.main = (k_cache.stride(0), k_cache.shape[1], k_cache.shape[0] * k_cache.shape[1])
+        self.kwargs = dict(HAS_SINK=attn_sink is not None, HAS_LEN=topk_length is not None,
+                           HAS_EXTRA=self.has_extra, HAS_ELEN=extra_topk_length is not None, **kw)
         ec = extra_k_cache if self.has_extra else k_cache
-        self.extra = (ec.stride(0), ec.shape[1], ec.shape[0] * ec.shape[1])
-        self.topk, self.etopk = topk, extra_topk
-        self.scale = (D_QK ** -0.5 if softmax_scale is None else float(softmax_scale)) * LOG2E
-        self._decode = BoundLaunch(self.grid, self.kwargs)
-        self._combine = BoundLaunch(*combine.launch_params(b * s_q, h_q, has_sink))
+        ei = extra_indices if self.has_extra else indices
+        scale = (D_QK ** -0.5 if softmax_scale is None else float(softmax_scale)) * LOG2E
+        template = [None, *q.stride()[:3], None, None, None, 0 if attn_sink is None else attn_sink.stride(0), None,
+                    None, None,
+                    None, k_cache.stride(0), k_cache.shape[1], k_cache.shape[0] * k_cache.shape[1],
+                    None, *indices.stride()[:2], indices.shape[-1], None, 0 if topk_length is None else topk_length.stride(0),
+                    None, ec.stride(0), ec.shape[1], ec.shape[0] * ec.shape[1],
+                    None, *ei.stride()[:2], extra_indices.shape[-1] if self.has_extra else 0, None,
+                    0 if extra_topk_length is None else extra_topk_length.stride(0),
+                    b * s_q, s_q, h_q, scale, launch.share, launch.programs]
+        self._decode = BoundLaunch(grid, self.kwargs, template, _DECODE_TENSORS, _CACHE_SLOTS, q.device)
+        cgrid, ckw = combine.launch_params(launch.programs if launch.flat else b * s_q, h_q, attn_sink is not None,
+                                           launch.flat)
+        ctemplate = [None] * 6 + [0 if attn_sink is None else attn_sink.stride(0), s_q, h_q, launch.programs]
+        self._combine = BoundLaunch(cgrid, ckw, ctemplate, _COMBINE_TENSORS, (), q.device)
 
     def __call__(self, q, k_cache, indices, attn_sink, topk_length, extra_k_cache, extra_indices, extra_topk_length,
-                 out, lse, po=None, plse=None) -> None:
-        split = self.splits > 1
-        if split and po is None:
-            b = q.shape[0]
-            po, plse = workspace(self.launch, b, self.s_q, self.h_q, q.device)
-        indices = indices.contiguous()
-        kc = _u8(k_cache)
+                 out, lse, po=None, plse=None, rec=None) -> None:
+        if rec is None:
+            po, plse, rec = workspace(self.launch, self.n_q, 1, self.h_q, q.device)
+        sink = lse if attn_sink is None else attn_sink
         if self.has_extra:
-            ec, eidx = _u8(extra_k_cache), extra_indices.contiguous()
+            ec, eidx = extra_k_cache, extra_indices
         else:
-            ec, eidx = kc, indices
-        kernel = getattr(self._module, self._name)
-        self._decode(kernel, (
-            q.contiguous(), out, lse, lse if attn_sink is None else attn_sink, po if split else lse,
-            plse if split else lse, kc, *self.main, indices, self.topk, indices if topk_length is None else topk_length,
-            ec, *self.extra, eidx, self.etopk, indices if extra_topk_length is None else extra_topk_length,
-            self.s_q, self.h_q, self.scale, self.splits))
-        if split:
-            self._combine(combine.combine_kernel, (po, plse, out, lse, lse if attn_sink is None else attn_sink,
-                                                   self.s_q, self.h_q, self.splits))
+            ec, eidx = k_cache, indices
+        combine_ = self.launch.combine
+        self._decode(getattr(self._module, self._name), (
+            q, out, lse, sink, po if combine_ else lse, plse if combine_ else lse, rec, k_cache, indices,
+            indices if topk_length is None else topk_length, ec, eidx,
+            indices if extra_topk_length is None else extra_topk_length))
+        if combine_:
+            self._combine(combine.combine_kernel, (po, plse, rec, out, lse, sink))
 
 
 #: Triton's launcher takes every argument, constexprs included, from 3.3 on
 _LAUNCHER_TAKES_CONSTEXPRS = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 3)
 
 
-def _addresses(args):
-    """``args`` with each tensor replaced by its address, or None when an address is not a
-    multiple of 16 bytes (Triton specializes on that)."""
-    out = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            a = a.data_ptr()
-            if a % 16:
-                return None
-        out.append(a)
-    return out
+def _addresses(tensors):
+    """The tensors' addresses, or None when one is not a multiple of 16 bytes (Triton
+    specializes on that)."""
+    out = [t.data_ptr() for t in tensors]
+    return None if any(a % 16 for a in out) else out
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook is set (a callable, or a non-empty chain of them)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _fast_launcher(compiled):
+    """``launch(grid, stream, args)`` straight into a compiled kernel's C launcher, below
+    Triton's Python wrapper (which per call looks the device and stream up, builds the launch
+    metadata and asks for scratch memory), or None where this Triton's compiled kernel does not
+    have that shape, needs scratch memory, or a launch hook (a profiler) is set."""
+    run = getattr(compiled, "_run", None)
+    launch = getattr(run, "launch", None)
+    if (launch is None or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)
+            or knobs is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)):
+        return None
+    fn, meta = compiled.function, compiled.packed_metadata
+    coop, pdl = run.launch_cooperative_grid, run.launch_pdl
+
+    def fast(grid, stream, args):
+        launch(grid[0], grid[1], grid[2], stream, fn, coop, pdl, None, None, meta, None, None, None, *args)
+    return fast
 
 
 class BoundLaunch:
@@ -283,29 +384,44 @@ class BoundLaunch:
     most of an eager call's host time. What it specializes on is fixed by the plan (the dtypes,
     the integers, the constexprs) except whether each pointer is a multiple of 16 bytes. So the
     first call whose pointers all are goes through Triton and keeps the compiled kernel it
-    returns; later such calls launch that kernel directly, the constexprs appended in signature
-    order. Any other call, or a kernel that is not compiled (the interpreter, a stub), takes
-    Triton's path. The direct launch passes each tensor as its address: for a tensor, Triton's
-    launcher asks the driver whether its pointer is a device one, a driver call per pointer
-    that the plan's signature check (every tensor on the plan's device) already answers. (A
-    compiled kernel's launcher takes a three-dimensional grid; Triton's path pads a shorter
-    one, so the direct launch does too.)"""
+    returns; later such calls launch that kernel directly: the plan's integer arguments with
+    the call's tensor addresses, the constexprs appended in signature order, into the compiled
+    kernel's C launcher on the current stream (:func:`_fast_launcher`; through
+    ``CompiledKernel[grid]`` where it cannot). Any other call, or a kernel that is not compiled
+    (the interpreter, a stub), takes Triton's path. (Addresses, not tensors: for a tensor the
+    launcher asks the driver whether its pointer is a device one, which the plan's signature
+    check already answered.)"""
 
-    def __init__(self, grid, constexprs: dict):
+    def __init__(self, grid, constexprs: dict, template, tensor_slots, cache_slots=(), device=None):
         self.grid, self.constexprs = tuple(grid), constexprs
         self._grid3 = self.grid + (1,) * (3 - len(self.grid))
-        self._kernel = self._compiled = self._tail = None
+        self._template, self._slots, self._caches = list(template), tuple(tensor_slots), set(cache_slots)
+        self._device = device.index if device is not None and device.type == "cuda" else None
+        self._kernel = self._compiled = self._tail = self._fast = None
 
-    def __call__(self, kernel, args: tuple) -> None:
+    def _args(self, values) -> list:
+        args = list(self._template)
+        for i, v in zip(self._slots, values):
+            args[i] = v
+        return args
+
+    def __call__(self, kernel, tensors: tuple) -> None:
+        """Launch ``kernel`` with ``tensors`` in the template's tensor slots."""
         if self._compiled is not None and kernel is self._kernel:
-            addresses = _addresses(args)
+            addresses = _addresses(tensors)
             if addresses is not None:
-                self._compiled[self._grid3](*addresses, *self._tail)
+                args = self._args(addresses)
+                if self._fast is not None:
+                    self._fast(self._grid3, torch._C._cuda_getCurrentRawStream(self._device), (*args, *self._tail))
+                else:
+                    self._compiled[self._grid3](*args, *self._tail)
                 return
+        args = self._args([_u8(t) if i in self._caches else t for i, t in zip(self._slots, tensors)])
         compiled = kernel[self.grid](*args, **self.constexprs)
         if (self._compiled is None and isinstance(compiled, CompiledKernel) and _LAUNCHER_TAKES_CONSTEXPRS
-                and _addresses(args) is not None):
+                and _addresses(tensors) is not None):
             self._kernel, self._compiled, self._tail = kernel, compiled, self._constexpr_tail(kernel, len(args))
+            self._fast = _fast_launcher(compiled) if self._device is not None else None
 
     def _constexpr_tail(self, kernel, n_args: int):
         """The kernel's parameters after the ``n_args`` given ones, in order: the constexprs as
@@ -318,12 +434,11 @@ class BoundLaunch:
 
 
 def run(launch: Launch, q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
-        extra_topk_length, out, lse, po=None, plse=None) -> None:
+        extra_topk_length, out, lse) -> None:
     """Launch ``launch`` once (a :class:`Launcher` for this call) into ``out`` and ``lse``."""
-    Launcher(launch, q.shape, k_cache, indices.shape[-1], extra_k_cache,
-             extra_indices.shape[-1] if extra_k_cache is not None else 0, softmax_scale, attn_sink is not None,
-             topk_length is not None, extra_topk_length is not None)(
-        q, k_cache, indices, attn_sink, topk_length, extra_k_cache, extra_indices, extra_topk_length, out, lse, po, plse)
+    Launcher(launch, q, k_cache, indices, attn_sink, topk_length, extra_k_cache, extra_indices, extra_topk_length,
+             softmax_scale)(q, k_cache, indices, attn_sink, topk_length, extra_k_cache, extra_indices,
+                            extra_topk_length, out, lse)
 
 
 def run_simt(q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,

@@ -100,30 +100,38 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     if not isinstance(meta, FlashMLASchedMeta):
         fail("tile_scheduler_metadata", "must be the FlashMLASchedMeta from mla.flash_mla.get_mla_metadata(), got "
                                         f"{type(meta).__name__}")
-    _refuse_unsupported(q, k_cache, head_dim_v, num_splits, causal, is_fp8_kvcache, indices, block_table,
-                        cache_seqlens)
+    if num_splits is not None or indices is None or block_table is not None or cache_seqlens is not None or causal \
+            or not is_fp8_kvcache or head_dim_v != D_V:
+        _refuse_unsupported(q, k_cache, head_dim_v, num_splits, causal, is_fp8_kvcache, indices, block_table,
+                            cache_seqlens)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
-    args = dict(softmax_scale=softmax_scale, attn_sink=attn_sink, topk_length=topk_length,
-                extra_k_cache=extra_k_cache, extra_indices=extra_indices_in_kvcache,
-                extra_topk_length=extra_topk_length)
-    if not meta.have_initialized:
-        api.check_inputs(q, k_cache, indices, **args)
-        meta.config = _config(q, k_cache, causal, is_fp8_kvcache, indices, extra_k_cache, extra_indices_in_kvcache)
-        meta.plan = api.plan(q, k_cache, indices, **args)
-        meta.have_initialized = True
-    else:
-        got = _config(q, k_cache, causal, is_fp8_kvcache, indices, extra_k_cache, extra_indices_in_kvcache)
-        if got != meta.config:
+    args = (q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices_in_kvcache,
+            extra_topk_length)
+    plan = meta.plan
+    try:
+        sig = api.signature(*args)
+    except (AttributeError, TypeError, IndexError):
+        sig = None
+    if plan is None or sig != plan.signature:
+        _refuse_unsupported(q, k_cache, head_dim_v, num_splits, causal, is_fp8_kvcache, indices, block_table,
+                            cache_seqlens)
+        got = _config(q, k_cache, causal, is_fp8_kvcache, indices, extra_k_cache, extra_indices_in_kvcache) \
+            if sig is not None else None
+        if meta.have_initialized and got is not None and got != meta.config:
             for f in dataclasses.fields(got):
                 want, have = getattr(meta.config, f.name), getattr(got, f.name)
                 if want != have:
                     fail(_FIELD_ARGS[f.name], f"inconsistent with tile_scheduler_metadata: {f.name} was {want!r} at "
                                               f"its first call, this call has {have!r} (use one metadata object per "
                                               "shape, as with FlashMLA)")
-        if not meta.plan.fits(q, k_cache, indices, **args):      # e.g. another pool of the same page size
-            meta.plan = api.plan(q, k_cache, indices, **args)
-    return api.sparse_decode(q, k_cache, indices, **args, plan=meta.plan)
+        # the first call, or another pool of the same page size: plan (which checks every argument)
+        plan = api.plan(q, k_cache, indices, softmax_scale=softmax_scale, attn_sink=attn_sink,
+                        topk_length=topk_length, extra_k_cache=extra_k_cache, extra_indices=extra_indices_in_kvcache,
+                        extra_topk_length=extra_topk_length)
+        meta.config, meta.plan, meta.have_initialized = got, plan, True
+        sig = plan.signature
+    return api.planned_call(plan, sig, *args, None, None)
 
 
 __all__ = ["FlashMLASchedMeta", "get_mla_metadata", "flash_mla_with_kvcache"]

@@ -1,7 +1,9 @@
 """The launch rule (mla.dispatch) picks what the code before the layered package picked: the same
-kernel, form, config and split count over a grid of 2880 (GPU, SMs, b, s_q, h_q, topk, extra
-topk, alignment) cases, held to the table that tests/fixtures/make_launch_choices.py wrote from
-that code (38a926e). Nothing here needs a GPU."""
+kernel, form and config over a grid of 2880 (GPU, SMs, b, s_q, h_q, topk, extra topk,
+alignment) cases, held to the table that tests/fixtures/make_launch_choices.py wrote from that
+code (38a926e); the split count too for the one form that still splits each query uniformly (two
+consumers). Every other form now runs the flat work list (tests/test_schedule.py). Nothing here
+needs a GPU."""
 import json
 import pathlib
 
@@ -25,12 +27,15 @@ OLD_FORMS = {"heads as M": "heads as M", "tokens as M 16x64": "tokens as M, 16 x
              "tokens as M 8x128": "tokens as M, 8 x 128", "tokens as M two consumers": "tokens as M, two consumers"}
 
 
-def _choice(cfg, splits) -> dict:
+def _choice(cfg, programs, want) -> dict:
+    """The fixture's columns for a pick; the split count only where the form still splits each
+    query uniformly (its ``programs``), the fixture's own elsewhere."""
     if cfg.kernel == "gluon":
         old = {v: k for k, v in OLD_FORMS.items()}[cfg.form]
-        return {"kernel": "gluon", "form": old, "block_h": cfg.block_h, "block_n": cfg.block_n, "splits": splits}
+        return {"kernel": "gluon", "form": old, "block_h": cfg.block_h, "block_n": cfg.block_n,
+                "splits": programs if cfg.two_consumers else want["splits"]}
     return {"kernel": "tl_dot", "block_h": cfg.block_h, "block_n": cfg.block_n, "num_warps": cfg.num_warps,
-            "num_stages": cfg.num_stages, "dv_halves": cfg.dv_halves, "splits": splits}
+            "num_stages": cfg.num_stages, "dv_halves": cfg.dv_halves, "splits": want["splits"]}
 
 
 def test_the_fixture_covers_enough_cases_and_every_kernel_and_form():
@@ -47,9 +52,9 @@ def test_the_launch_rule_picks_what_it_picked_before():
     for case, want in _rows():
         table = configs.table_for(case["gpu"], "3.6", case["arch"])[1]
         gluon = dispatch.gluon_sm90 is not None and configs.gluon_for(case["gpu"], "3.6", case["arch"])
-        cfg, splits = dispatch.decide(table, gluon, case["sms"], case["b"], case["s_q"], case["h_q"],
-                                      case["topk"] + case["extra_topk"], 16 if case["aligned"] else 0)
-        got = _choice(cfg, splits)
+        cfg, programs, _share = dispatch.decide(table, gluon, case["sms"], case["b"], case["s_q"], case["h_q"],
+                                                case["topk"], case["extra_topk"], 16 if case["aligned"] else 0)
+        got = _choice(cfg, programs, want)
         if got != want:
             wrong.append((case, want, got))
     assert not wrong, f"{len(wrong)} cases differ, e.g. {wrong[:3]}"

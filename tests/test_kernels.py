@@ -34,30 +34,32 @@ def test_kernel_matches_reference(impl, name, device):
     assert lse_ok.ok, str(lse_ok)
 
 
-def forced(config=None, splits=None):
-    """``sparse_decode`` with the launch forced: a plan per call with this config and split count."""
+def forced(config=None, programs=None):
+    """``sparse_decode`` with the launch forced: a plan per call with this config and this many
+    shares of the work list."""
     def fn(**kw):
-        return mla.sparse_decode(**kw, plan=mla.plan(**kw, impl="mma", config=config, splits=splits))
+        return mla.sparse_decode(**kw, plan=mla.plan(**kw, impl="mma", config=config, programs=programs))
     return fn
 
 
-@pytest.mark.parametrize("splits", [1, 2, 5])
-def test_mma_split_k_combine_matches_reference(splits, device):
+@pytest.mark.parametrize("programs", [1, 2, 5])
+def test_mma_split_k_combine_matches_reference(programs, device):
     case = make_case(b=1, s_q=1, h_q=5, topk=70, page=16, extra_topk=30, extra_page=8, device=device, seed=7)
-    out_ok, lse_ok = run_case(forced(splits=splits), case)
+    out_ok, lse_ok = run_case(forced(programs=programs), case)
     assert out_ok.ok and lse_ok.ok, f"{out_ok} | {lse_ok}"
 
 
-def test_mma_combine_merges_many_splits(device):
-    """The combine over 19 splits. On the interpreter's 16-token tiles: batch 0's first 16 splits
-    hold one valid token each and the last 3 all of theirs, so the largest LSEs come last; the
-    first 16 splits of batch 1 have no valid token; batch 2's query has none at all. (This case
-    caught an online merge that forgot to rescale what earlier splits had merged.)"""
+def test_mma_combine_merges_many_pieces(device):
+    """The combine over 19 pieces a query: three queries of 19 tiles (the interpreter's 16-token
+    tiles) on 57 programs, one tile each. Query 0's first 16 pieces hold one valid token each and
+    the last 3 all of theirs, so the largest LSEs come last; the first 16 pieces of query 1 have
+    no valid token; query 2 has none at all. (This case caught an online merge that forgot to
+    rescale what earlier splits had merged.)"""
     case = make_case(b=3, s_q=1, h_q=3, topk=300, page=16, invalid_frac=0.0, device=device, seed=17)
     case["indices"][0, 0, :256][torch.arange(256) % 16 != 0] = -1
     case["indices"][1, 0, :256] = -1
     case["indices"][2, 0, :] = -1
-    out_ok, lse_ok = run_case(forced(splits=19), case)
+    out_ok, lse_ok = run_case(forced(programs=57), case)
     assert out_ok.ok and lse_ok.ok, f"{out_ok} | {lse_ok}"
 
 
@@ -68,24 +70,24 @@ def _tl_config(h_q, device, **fields):
 @pytest.mark.parametrize("dv_halves", [1, 2])
 def test_mma_output_halves_match_reference(dv_halves, device):
     """dv_halves=2 (two programs per head block, 256 output columns each), with and without
-    splits, on a case with both caches, lengths and an empty query."""
+    split queries, on a case with both caches, lengths and an empty query."""
     case = make_case(b=2, s_q=2, h_q=20, topk=45, page=13, extra_topk=19, extra_page=7, lengths=True,
                      empty_query=True, device=device, seed=11)
     cfg = _tl_config(20, device, dv_halves=dv_halves, **({"num_warps": 4} if dv_halves == 2 else {}))
-    for splits in (1, 3):
-        out_ok, lse_ok = run_case(forced(cfg, splits), case)
-        assert out_ok.ok and lse_ok.ok, f"splits={splits}: {out_ok} | {lse_ok}"
+    for programs in (1, 3):
+        out_ok, lse_ok = run_case(forced(cfg, programs), case)
+        assert out_ok.ok and lse_ok.ok, f"programs={programs}: {out_ok} | {lse_ok}"
 
 
 def test_mma_with_another_tile_size_matches_reference(device):
-    """Another token tile over both caches, with lengths and an empty query, unsplit and in three
-    splits (the middle one's tile range runs from the main cache's last tile into the extra's)."""
+    """Another token tile over both caches, with lengths and an empty query, on one program and on
+    three (a share's tile range runs from the main cache's last tile into the extra's)."""
     case = make_case(b=2, s_q=1, h_q=6, topk=37, page=11, extra_topk=29, extra_page=5, lengths=True,
                      empty_query=True, device=device, seed=13)
     cfg = _tl_config(6, device, block_n=32)
-    for splits in (1, 3):
-        out_ok, lse_ok = run_case(forced(cfg, splits), case)
-        assert out_ok.ok and lse_ok.ok, f"splits={splits}: {out_ok} | {lse_ok}"
+    for programs in (1, 3):
+        out_ok, lse_ok = run_case(forced(cfg, programs), case)
+        assert out_ok.ok and lse_ok.ok, f"programs={programs}: {out_ok} | {lse_ok}"
 
 
 def test_configs_refuse_what_they_do_not_have():
@@ -99,8 +101,8 @@ def test_the_gluon_kernel_is_refused_off_hopper_with_a_clear_error():
     case = make_case(b=1, s_q=1, h_q=4, topk=8, page=8, device="cpu", seed=1)
     with pytest.raises(ValueError, match="sm_90"):
         mla.plan(**case, impl="mma", config=GluonConfig())
-    with pytest.raises(ValueError, match="splits"):
-        mla.plan(**case, impl="mma", splits=0)
+    with pytest.raises(ValueError, match="programs"):
+        mla.plan(**case, impl="mma", programs=0)
     with pytest.raises(ValueError, match="config"):
         mla.plan(**case, impl="simt", config=TlDotConfig())
 

@@ -17,7 +17,8 @@ PKG = pathlib.Path(__file__).resolve().parents[1] / "mla"
 LAYERS = {"_runtime": (0, "_runtime"), "layout": (1, "layout"), "reference": (2, "reference"),
           "kernels": (3, "kernels"), "configs": (3, "configs"), "dispatch": (4, "dispatch"), "api": (5, "api"),
           "ops": (6, "ops"), "flash_mla": (6, "flash_mla"), "validate": (6, "validate"), "bench": (6, "bench"),
-          "aot": (6, "aot"), "tuning": (6, "tuning")}
+          "aot": (6, "aot"), "tuning": (6, "tuning"),
+          "schedule": (3, "schedule")}
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -27,7 +27,7 @@ def case():
 
 def test_a_planned_call_equals_an_unplanned_one_and_fills_out_buffers(case):
     plan = mla.plan(**case)
-    assert plan.impl == "mma" and plan.launch.splits >= 1
+    assert plan.impl == "mma" and plan.launch.programs >= 1
     want = mla.sparse_decode(**case)
     out = torch.full_like(want[0], float("nan"))
     lse = torch.full_like(want[1], float("nan"))
@@ -319,10 +319,10 @@ class _Kernel:
 def test_a_bound_launch_goes_through_triton_once_then_launches_the_compiled_kernel():
     compiled = _Compiled()
     kernel = _Kernel(compiled)
-    bound = dispatch.BoundLaunch((4, 2), {"A": 1, "C": 5, "num_warps": 8})
+    bound = dispatch.BoundLaunch((4, 2), {"A": 1, "C": 5, "num_warps": 8}, [None, None, 12], (0, 1))
     x, y = torch.zeros(8), torch.zeros(8)
     for _ in range(3):
-        bound(kernel, (x, y, 12))
+        bound(kernel, (x, y))
     assert kernel.calls == [((4, 2), (x, y, 12), {"A": 1, "C": 5, "num_warps": 8})]
     # tensors as their addresses, the constexprs in signature order, defaults filled in, the
     # compile option left out
@@ -332,23 +332,60 @@ def test_a_bound_launch_goes_through_triton_once_then_launches_the_compiled_kern
 def test_a_bound_launch_takes_tritons_path_for_misaligned_pointers_other_kernels_and_the_interpreter():
     compiled = _Compiled()
     kernel = _Kernel(compiled)
-    bound = dispatch.BoundLaunch((1,), {"A": 1})
+    bound = dispatch.BoundLaunch((1,), {"A": 1}, [None, None, 1], (0, 1))
     x = torch.zeros(16)
     odd = torch.zeros(16, dtype=torch.uint8)[1:]          # 1 byte past an aligned address
-    bound(kernel, (odd, x, 1))
-    bound(kernel, (odd, x, 1))
+    bound(kernel, (odd, x))
+    bound(kernel, (odd, x))
     assert len(kernel.calls) == 2 and not compiled.launches       # never kept, never used
-    bound(kernel, (x, x, 1))
-    bound(kernel, (odd, x, 1))
+    bound(kernel, (x, x))
+    bound(kernel, (odd, x))
     assert len(kernel.calls) == 4 and not compiled.launches       # misaligned: Triton specializes anew
     other = _Kernel(_Compiled())                                  # a stub swapped in for the kernel
-    bound(other, (x, x, 1))
+    bound(other, (x, x))
     assert len(other.calls) == 1 and not compiled.launches
     interpreted = _Kernel(None)
-    bound = dispatch.BoundLaunch((1,), {"A": 1})
+    bound = dispatch.BoundLaunch((1,), {"A": 1}, [None, None, 1], (0, 1))
     for _ in range(2):
-        bound(interpreted, (x, x, 1))
+        bound(interpreted, (x, x))
     assert len(interpreted.calls) == 2
+
+
+class _CLauncher:
+    """A compiled kernel's C launcher, as Triton 3.6 keeps it (``CompiledKernel._run``)."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self):
+        self.calls = []
+
+    def launch(self, *args):
+        self.calls.append(args)
+
+
+class _CompiledWithLauncher(_Compiled):
+    function, packed_metadata = 0xF00, (8, 1, 4096)
+
+    def __init__(self):
+        super().__init__()
+        self._run = _CLauncher()
+
+
+def test_a_bound_launch_calls_the_c_launcher_below_tritons_wrapper(monkeypatch):
+    """On a GPU the direct launch goes straight into the compiled kernel's C launcher: the grid,
+    the current stream, the function handle, its launch flags and metadata, no scratch and no
+    hooks, then the arguments (on the CPU, with a stand-in launcher and stream)."""
+    compiled = _CompiledWithLauncher()
+    kernel = _Kernel(compiled)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77 + device, raising=False)
+    bound = dispatch.BoundLaunch((4, 2), {"A": 1}, [None, None, 12], (0, 1), device=torch.device("cuda", 3))
+    x, y = torch.zeros(8), torch.zeros(8)
+    for _ in range(3):
+        bound(kernel, (x, y))
+    assert len(kernel.calls) == 1 and not compiled.launches
+    assert compiled._run.calls == [(4, 2, 1, 80, 0xF00, False, True, None, None, (8, 1, 4096), None, None, None,
+                                    x.data_ptr(), y.data_ptr(), 12, 1, 7, 3)] * 2
 
 
 class _Recording(_Kernel):
@@ -360,8 +397,8 @@ class _Recording(_Kernel):
 
 
 @pytest.mark.parametrize("kernel", ["tl_dot", "gluon"])
-@pytest.mark.parametrize("splits", [1, 3])
-def test_a_launchers_bound_launches_pass_every_parameter_of_the_real_kernels(kernel, splits, monkeypatch):
+@pytest.mark.parametrize("programs", [1, 3])
+def test_a_launchers_bound_launches_pass_every_parameter_of_the_real_kernels(kernel, programs, monkeypatch):
     """Through a Launcher, the direct launch passes the values Triton's path bound: each of the
     kernel's parameters in order, the constexprs by name (the decodes and the combine)."""
     if kernel == "gluon" and dispatch.gluon_sm90 is None:
@@ -375,16 +412,16 @@ def test_a_launchers_bound_launches_pass_every_parameter_of_the_real_kernels(ker
     for mod, attr in ((module, name), (dispatch.combine, "combine_kernel")):
         stands[attr] = _Recording(getattr(mod, attr), _Compiled())
         monkeypatch.setattr(mod, attr, stands[attr])
-    lr = dispatch.Launcher(dispatch.Launch(cfg, splits, align=align), c["q"].shape, c["k_cache"],
-                           c["indices"].shape[-1], c["extra_k_cache"], c["extra_indices"].shape[-1], None, True,
-                           False, False)
+    launch = dispatch.Launch(cfg, programs, share=0, combine=programs > 1, align=align)
+    lr = dispatch.Launcher(launch, c["q"], c["k_cache"], c["indices"], c["attn_sink"], None, c["extra_k_cache"],
+                           c["extra_indices"], None, None)
     out, lse = torch.empty_like(c["q"]), torch.empty(2, 8, 1)
     args = (c["q"], c["k_cache"], c["indices"], c["attn_sink"], None, c["extra_k_cache"], c["extra_indices"], None,
-            out, lse)
+            out, lse, *dispatch.workspace(launch, 2, 1, 8, "cpu"))
     lr(*args)
     lr(*args)
     for attr, stand in stands.items():
-        if attr == "combine_kernel" and splits == 1:
+        if attr == "combine_kernel" and programs == 1:
             assert not stand.calls and not stand.returns.launches
             continue
         (_, given, kw), = stand.calls
@@ -392,6 +429,8 @@ def test_a_launchers_bound_launches_pass_every_parameter_of_the_real_kernels(ker
         params = list(inspect.signature(stand.fn).parameters.values())
         assert len(direct) == len(params)
         bound = dict(zip([p.name for p in params], direct))
+        for p, g in zip(params, given):           # every argument as Triton's path had it (tensors as addresses)
+            assert bound[p.name] == (g.data_ptr() if isinstance(g, torch.Tensor) else g), p.name
         for p in params[len(given):]:
             assert bound[p.name] == kw.get(p.name, p.default), p.name
         assert set(kw) - set(bound) <= {"num_warps", "num_stages", "num_ctas", "maxnreg"}

@@ -109,25 +109,173 @@ def tile_source(ti, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
 
 
 @triton.jit
-def split_range(b, split, topk, len_ptr, etopk, elen_ptr, num_splits, BLOCK_N: tl.constexpr, HAS_LEN: tl.constexpr,
-                HAS_EXTRA: tl.constexpr, HAS_ELEN: tl.constexpr):
-    """A query's valid lengths in each cache and the token tiles ``[lo, hi)`` of its list (main
-    cache's tiles, then the extra cache's) that split ``split`` of ``num_splits`` takes:
-    (n1, tiles1, n2, lo, hi). Scalar code, shared by the ``tl.dot`` and the Gluon kernels."""
-    n1 = topk
+def query_lengths(q, s_q, topk, len_ptr, len_stride, etopk, elen_ptr, elen_stride, mask, HAS_LEN: tl.constexpr,
+                  HAS_EXTRA: tl.constexpr, HAS_ELEN: tl.constexpr):
+    """The valid positions (main cache, extra cache) of query row ``q`` (``b * s_q + s``; a
+    scalar, or a vector whose rows outside ``mask`` read nothing): ``topk`` and ``etopk``, cut
+    to the request's lengths where they are given."""
+    b = (q // s_q).to(tl.int64)
+    n1 = topk + q * 0
     if HAS_LEN:
-        n1 = tl.minimum(n1, tl.maximum(tl.load(len_ptr + b), 0))
-    tiles1 = (n1 + BLOCK_N - 1) // BLOCK_N     # not tl.cdiv: see mla._runtime (import order)
-    n2 = 0
+        n1 = tl.minimum(n1, tl.maximum(tl.load(len_ptr + b * len_stride, mask=mask, other=0), 0))
+    n2 = q * 0
     if HAS_EXTRA:
-        n2 = etopk
+        n2 = etopk + q * 0
         if HAS_ELEN:
-            n2 = tl.minimum(n2, tl.maximum(tl.load(elen_ptr + b), 0))
-    tiles2 = (n2 + BLOCK_N - 1) // BLOCK_N
-    per = (tiles1 + tiles2 + num_splits - 1) // num_splits
+            n2 = tl.minimum(n2, tl.maximum(tl.load(elen_ptr + b * elen_stride, mask=mask, other=0), 0))
+    return n1, n2
+
+
+@triton.jit
+def query_units(n1, n2, BLOCK_N: tl.constexpr, UNIT: tl.constexpr):
+    """(tiles of the main cache, tiles in all, schedule units) of a query with ``n1`` and ``n2``
+    valid positions: tiles of BLOCK_N tokens, UNIT tiles a unit, and at least one unit, so that a
+    query with no valid token still gets its output written (:func:`mla.schedule.query_units`)."""
+    tiles1 = (n1 + BLOCK_N - 1) // BLOCK_N
+    tiles = tiles1 + (n2 + BLOCK_N - 1) // BLOCK_N
+    return tiles1, tiles, tl.maximum((tiles + UNIT - 1) // UNIT, 1)
+
+
+@triton.jit
+def split_range(q, split, s_q, topk, len_ptr, len_stride, etopk, elen_ptr, elen_stride, num_splits,
+                BLOCK_N: tl.constexpr, HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_ELEN: tl.constexpr):
+    """The uniform split of the one form that takes one query per program (the Gluon kernel's two
+    consumers): query row ``q``'s valid lengths in each cache and the token tiles ``[lo, hi)`` of
+    its list that split ``split`` of ``num_splits`` takes: (n1, tiles1, n2, lo, hi)."""
+    n1, n2 = query_lengths(q, s_q, topk, len_ptr, len_stride, etopk, elen_ptr, elen_stride, q >= 0, HAS_LEN,
+                           HAS_EXTRA, HAS_ELEN)
+    tiles1, tiles, _u = query_units(n1, n2, BLOCK_N, 1)
+    per = (tiles + num_splits - 1) // num_splits
     lo = split * per
-    hi = tl.minimum(lo + per, tiles1 + tiles2)
+    hi = tl.minimum(lo + per, tiles)
     return n1, tiles1, n2, lo, hi
+
+
+@triton.jit(noinline=True)
+def _share_from_lengths_call(p, n_q, s_q, num_programs, topk, len_ptr, len_stride, etopk, elen_ptr, elen_stride,
+                             ROWS: tl.constexpr, BLOCK_N: tl.constexpr, UNIT: tl.constexpr, HAS_LEN: tl.constexpr,
+                             HAS_EXTRA: tl.constexpr, HAS_ELEN: tl.constexpr):
+    """:func:`_share_from_lengths` as a call of its own (not inlined): inlined into the ``tl.dot``
+    kernel, its vector passes cost its token-tile loop a fifth more instructions and five times
+    the spills under Triton 3.6."""
+    return _share_from_lengths(p, n_q, s_q, num_programs, topk, len_ptr, len_stride, etopk, elen_ptr, elen_stride,
+                               tl.arange(0, ROWS), BLOCK_N, UNIT, HAS_LEN, HAS_EXTRA, HAS_ELEN)
+
+
+@triton.jit
+def _share_from_lengths(p, n_q, s_q, num_programs, topk, len_ptr, len_stride, etopk, elen_ptr, elen_stride, rows,
+                        BLOCK_N: tl.constexpr, UNIT: tl.constexpr, HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr,
+                        HAS_ELEN: tl.constexpr):
+    """:func:`share_bounds` where the lengths are on the device: the prefix sums of the queries'
+    units, ``rows`` (a vector of row offsets) at a time."""
+    total = 0
+    for base in tl.range(0, n_q, rows.shape[0], num_stages=1):
+        q = base + rows
+        n1, n2 = query_lengths(q, s_q, topk, len_ptr, len_stride, etopk, elen_ptr, elen_stride, q < n_q,
+                               HAS_LEN, HAS_EXTRA, HAS_ELEN)
+        _t1, _t, u = query_units(n1, n2, BLOCK_N, UNIT)
+        total += tl.sum(tl.where(q < n_q, u, 0), 0)
+    share = (total + num_programs - 1) // num_programs
+    x0 = p * share
+    x1 = tl.minimum(x0 + share, total)
+    q0 = 0
+    c0 = 0
+    q_end = 0
+    c_last = 0
+    run = 0
+    for base in tl.range(0, n_q, rows.shape[0], num_stages=1):
+        q = base + rows
+        n1, n2 = query_lengths(q, s_q, topk, len_ptr, len_stride, etopk, elen_ptr, elen_stride, q < n_q,
+                               HAS_LEN, HAS_EXTRA, HAS_ELEN)
+        _t1, _t, u = query_units(n1, n2, BLOCK_N, UNIT)
+        u = tl.where(q < n_q, u, 0)
+        ends = run + tl.cumsum(u, 0)          # where each query's units end
+        starts = ends - u
+        done = (q < n_q) & (ends <= x0)       # queries wholly before the share
+        begun = (q < n_q) & (starts < x1)     # queries that start before its end
+        q0 += tl.sum(done.to(tl.int32), 0)
+        c0 = tl.maximum(c0, tl.max(tl.where(done, ends, 0), 0))
+        q_end += tl.sum(begun.to(tl.int32), 0)
+        c_last = tl.maximum(c_last, tl.max(tl.where(begun, starts, 0), 0))
+        run += tl.sum(u, 0)
+    n1, n2 = query_lengths(q_end - 1, s_q, topk, len_ptr, len_stride, etopk, elen_ptr, elen_stride, q_end > 0,
+                           HAS_LEN, HAS_EXTRA, HAS_ELEN)
+    _t1, _t, u_last = query_units(n1, n2, BLOCK_N, UNIT)
+    return share, x0, x1, q0, c0, q_end, c_last, u_last
+
+
+@triton.jit
+def share_bounds(p, n_q, s_q, share, num_programs, topk, len_ptr, len_stride, etopk, elen_ptr, elen_stride, rows,
+                 BLOCK_N: tl.constexpr, UNIT: tl.constexpr, HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr,
+                 HAS_ELEN: tl.constexpr):
+    """Program ``p``'s share of the flat work list (:mod:`mla.schedule`): every query row's units
+    end to end, cut every ``share`` units (0: into ``num_programs`` equal shares). Returns
+    (share, its first unit x0, its end x1, its first query q0 and that query's first unit c0,
+    the end of its queries q_end, the first unit c_last and the units u_last of its last query).
+    With lengths on the device the prefix sums are taken on the device (:func:`_share_from_lengths`,
+    ``rows`` query rows at a time: a vector of row offsets in the caller's layout, or None for a
+    call of its own of 256); without, every query has the same units."""
+    if HAS_LEN or HAS_ELEN:
+        if rows is None:
+            share, x0, x1, q0, c0, q_end, c_last, u_last = _share_from_lengths_call(
+                p, n_q, s_q, num_programs, topk, len_ptr, len_stride, etopk, elen_ptr, elen_stride, 256, BLOCK_N,
+                UNIT, HAS_LEN, HAS_EXTRA, HAS_ELEN)
+        else:
+            share, x0, x1, q0, c0, q_end, c_last, u_last = _share_from_lengths(
+                p, n_q, s_q, num_programs, topk, len_ptr, len_stride, etopk, elen_ptr, elen_stride, rows, BLOCK_N,
+                UNIT, HAS_LEN, HAS_EXTRA, HAS_ELEN)
+    else:
+        n2 = 0
+        if HAS_EXTRA:
+            n2 = etopk
+        _t1, _t, units = query_units(topk, n2, BLOCK_N, UNIT)
+        total = n_q * units
+        if share == 0:
+            share = (total + num_programs - 1) // num_programs
+        x0 = p * share
+        x1 = tl.minimum(x0 + share, total)
+        q0 = x0 // units
+        c0 = q0 * units
+        q_end = (x1 + units - 1) // units
+        c_last = (q_end - 1) * units
+        u_last = units
+    return share, x0, x1, q0, c0, q_end, c_last, u_last
+
+
+@triton.jit
+def piece(q, c, x0, x1, s_q, topk, len_ptr, len_stride, etopk, elen_ptr, elen_stride, BLOCK_N: tl.constexpr,
+          UNIT: tl.constexpr, HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_ELEN: tl.constexpr):
+    """Query ``q``'s piece in a share of units ``[x0, x1)``, the query's units starting at ``c``:
+    its tiles ``[lo, hi)``, whether the query is split (it has units outside the share), and the
+    query's tiles of the main cache, valid lengths and units: (lo, hi, split, tiles1, n1, n2,
+    units)."""
+    n1, n2 = query_lengths(q, s_q, topk, len_ptr, len_stride, etopk, elen_ptr, elen_stride, q >= 0, HAS_LEN,
+                           HAS_EXTRA, HAS_ELEN)
+    tiles1, tiles, units = query_units(n1, n2, BLOCK_N, UNIT)
+    lo = tl.maximum(x0 - c, 0)
+    hi = tl.minimum(x1 - c, units)
+    return lo * UNIT, tl.minimum(hi * UNIT, tiles), (lo > 0) | (hi < units), tiles1, n1, n2, units
+
+
+@triton.jit
+def write_share_record(rec_ptr, p, share, x0, x1, q0, q_end, c_last, u_last):
+    """What the combine needs of program ``p``'s share: when its last query starts in it and goes
+    on past its end (the one split query whose first piece it holds), (that query, the last
+    program holding a piece of it, the slot of this first piece); else (-1, 0, 0)."""
+    starts_here = (x0 < x1) & (c_last >= x0) & (c_last + u_last > x1)
+    q = q_end - 1
+    tl.store(rec_ptr + 3 * p, tl.where(starts_here, q, -1))
+    tl.store(rec_ptr + 3 * p + 1, tl.where(starts_here, (c_last + u_last - 1) // tl.maximum(share, 1), 0))
+    tl.store(rec_ptr + 3 * p + 2, tl.where(starts_here, 2 * p + (q != q0).to(tl.int32), 0))
+
+
+@triton.jit
+def query_rows(q, s_q, q_sb, q_ss, idx_sb, idx_ss, eidx_sb, eidx_ss):
+    """Offsets, in elements, of query row ``q``'s q block (add the head's stride) and of its index
+    rows in the main and the extra cache: strided inputs are read in place."""
+    b = (q // s_q).to(tl.int64)
+    s = (q % s_q).to(tl.int64)
+    return b * q_sb + s * q_ss, b * idx_sb + s * idx_ss, b * eidx_sb + s * eidx_ss
 
 
 @triton.jit

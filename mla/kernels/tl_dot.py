@@ -1,12 +1,14 @@
-"""The portable tensor-core kernel: one program per (query token, block of BLOCK_H heads, split).
+"""The portable tensor-core kernel: one persistent program per (block of BLOCK_H heads, share of
+the work list).
 
 Each program gathers and dequantizes a tile of BLOCK_N tokens ONCE for all BLOCK_H heads of its
 block, computes S = Q.K^T and O += P.V with ``tl.dot`` and an online softmax in the exp2
 domain. The 512 columns are held as two halves of 256 (tiles 0-3 and 4-7 of a token), which
 halves the live accumulator per ``tl.dot``. A query's token list is the main cache's selected
-tokens followed by the extra cache's, in one loop; split ``i`` takes a contiguous range of its
-token tiles. With one split the kernel writes the final output (sink applied); with several it
-writes partials (o, lse in log2 units) that :mod:`mla.kernels.combine` merges.
+tokens followed by the extra cache's, in one loop. The work list (:mod:`mla.schedule`) lays every
+query's tiles end to end and gives each program an equal share: it runs the pieces of the
+queries in its share one after another, writing a whole query's final output (sink applied) and
+a split one's partial (o, lse in log2 units), which :mod:`mla.kernels.combine` merges.
 
 ``DV_HALVES = 2`` is the form for grids too small to fill the GPU: two programs per head block,
 each computing all of S but owning 256 of the output columns, so twice as many SMs share a query.
@@ -17,7 +19,8 @@ import triton
 import triton.language as tl
 
 from .. import _runtime
-from .common import DIM, LN2, finish_softmax, load_token_tile, sink_factor, split_range, tile_source, to_bf16, token_rows
+from .common import (DIM, LN2, finish_softmax, load_token_tile, piece, query_rows, share_bounds, sink_factor,
+                     tile_source, to_bf16, token_rows, write_share_record)
 
 HALF = tl.constexpr(DIM // 2)      #: 256: the columns of one accumulator half
 #: The dots' operand type: fp16 (P rounded to 2**-11; bf16's 2**-8 breaks the tolerance with few
@@ -83,84 +86,97 @@ def _cache_pass(m_i, l_i, acc0, acc1, q0, q1, lo, hi, tiles1, kc_ptr, kc_stride,
     return m_i, l_i, acc0, acc1
 
 
-@triton.jit(do_not_specialize=["num_splits"])  # one variant for every split count
-def tl_dot_decode_kernel(
-    q_ptr, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr,
-    kc_ptr, kc_stride, kc_P, kc_n, idx_ptr, topk, len_ptr,
-    ec_ptr, ec_stride, ec_P, ec_n, eidx_ptr, etopk, elen_ptr,
-    s_q, h_q, sm_scale_log2, num_splits,
-    HAS_SINK: tl.constexpr, HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_ELEN: tl.constexpr,
-    PARTIAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8_NATIVE: tl.constexpr, DOT: tl.constexpr, DV_HALVES: tl.constexpr = 1,
-):
-    hb = tl.program_id(0)
-    half = 0
-    if DV_HALVES == 2:                # program (head block, output half): columns 256*half + [0, 256)
-        half = hb % 2
-        hb = hb // 2
-    split = tl.program_id(1)
-    tok = tl.program_id(2)            # b * s_q + s
-    b = tok // s_q
-    s_idx = tok - b * s_q
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = heads < h_q
-    c = tl.arange(0, HALF)
-    qrow = q_ptr + (tok.to(tl.int64) * h_q + heads) * DIM
-    q0 = tl.load(qrow[:, None] + c[None, :], mask=hmask[:, None], other=0.0).to(DOT)
-    q1 = tl.load(qrow[:, None] + HALF + c[None, :], mask=hmask[:, None], other=0.0).to(DOT)
-
-    n1, tiles1, n2, lo, hi = split_range(b, split, topk, len_ptr, etopk, elen_ptr, num_splits, BLOCK_N, HAS_LEN,
-                                         HAS_EXTRA, HAS_ELEN)
-
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    idx_main = idx_ptr + tok.to(tl.int64) * topk
-    idx_extra = eidx_ptr + tok.to(tl.int64) * etopk
-    acc0 = tl.zeros([BLOCK_H, HALF], tl.float32)
-    if DV_HALVES == 2:
-        acc1 = tl.zeros([1, 1], tl.float32)        # unused: this program's half is acc0
-    else:
-        acc1 = tl.zeros([BLOCK_H, HALF], tl.float32)
-    m_i, l_i, acc0, acc1 = _cache_pass(m_i, l_i, acc0, acc1, q0, q1, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n,
-                                       idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, sm_scale_log2,
-                                       BLOCK_N, HAS_EXTRA, FP8_NATIVE, DOT, DV_HALVES, half)
-
+@triton.jit
+def _store_piece(o0, o1, m_i, l_i, heads, hmask, q, split, slot, half, out_ptr, lse_ptr, sink_ptr, sink_stride,
+                 po_ptr, plse_ptr, s_q, h_q, c, HAS_SINK: tl.constexpr, DV_HALVES: tl.constexpr):
+    """Store one piece's output: the final one (sink applied) for a whole query, else the partial
+    (normalized by its own sum, lse in log2 units) in ``slot`` for the combine."""
     empty, l_safe, lse2 = finish_softmax(l_i, m_i)
-    o0 = acc0 / l_safe[:, None]
+    o0 = o0 / l_safe[:, None]
     lmask = hmask
     if DV_HALVES == 2:
         lmask = hmask & ((heads * 0 + half) == 0)   # both halves hold the same lse; one writes it
-    if PARTIAL:
-        prow = (tok.to(tl.int64) * num_splits + split) * h_q + heads
+    if split:
+        prow = slot.to(tl.int64) * h_q + heads
         tl.store(plse_ptr + prow, tl.where(empty, float("-inf"), lse2), mask=lmask)
         tl.store(po_ptr + prow[:, None] * DIM + half * HALF + c[None, :], o0.to(po_ptr.dtype.element_ty),
                  mask=hmask[:, None])
         if DV_HALVES == 1:
-            o1 = acc1 / l_safe[:, None]
+            o1 = o1 / l_safe[:, None]
             tl.store(po_ptr + prow[:, None] * DIM + HALF + c[None, :], o1.to(po_ptr.dtype.element_ty),
                      mask=hmask[:, None])
     else:
         lse = lse2 * LN2
         if HAS_SINK:
-            sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
+            sink = tl.load(sink_ptr + heads * sink_stride, mask=hmask, other=0.0)
             f = sink_factor(sink, lse, empty)
             o0 = o0 * f[:, None]
         o0 = tl.where(empty[:, None], 0.0, o0)
-        orow = out_ptr + (tok.to(tl.int64) * h_q + heads) * DIM
+        orow = out_ptr + (tl.cast(q, tl.int64) * h_q + heads) * DIM
         tl.store(orow[:, None] + half * HALF + c[None, :], to_bf16(o0), mask=hmask[:, None])
         if DV_HALVES == 1:
-            o1 = acc1 / l_safe[:, None]
+            o1 = o1 / l_safe[:, None]
             if HAS_SINK:
                 o1 = o1 * f[:, None]
             o1 = tl.where(empty[:, None], 0.0, o1)
             tl.store(orow[:, None] + HALF + c[None, :], to_bf16(o1), mask=hmask[:, None])
-        tl.store(lse_ptr + (b * h_q + heads) * s_q + s_idx, tl.where(empty, float("inf"), lse), mask=lmask)
+        b = q // s_q
+        tl.store(lse_ptr + (b * h_q + heads) * s_q + (q - b * s_q), tl.where(empty, float("inf"), lse), mask=lmask)
 
 
-def launch_params(n_tokens: int, h_q: int, splits: int, *, block_h: int, block_n: int, num_warps: int,
-                  num_stages: int, dv_halves: int, fp8_native: bool, dot) -> tuple:
-    """(grid, constexpr and launch keywords) of the kernel for ``n_tokens`` query tokens, besides
-    the HAS_* / PARTIAL flags of :func:`mla.kernels.common.decode_args`."""
-    grid = ((h_q + block_h - 1) // block_h * dv_halves, splits, n_tokens)
+@triton.jit(do_not_specialize=["n_q", "s_q", "h_q", "share", "num_programs"])  # one variant for every grid
+def tl_dot_decode_kernel(
+    q_ptr, q_sb, q_ss, q_sh, out_ptr, lse_ptr, sink_ptr, sink_stride, po_ptr, plse_ptr, rec_ptr,
+    kc_ptr, kc_stride, kc_P, kc_n, idx_ptr, idx_sb, idx_ss, topk, len_ptr, len_stride,
+    ec_ptr, ec_stride, ec_P, ec_n, eidx_ptr, eidx_sb, eidx_ss, etopk, elen_ptr, elen_stride,
+    n_q, s_q, h_q, sm_scale_log2, share, num_programs,
+    HAS_SINK: tl.constexpr, HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_ELEN: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8_NATIVE: tl.constexpr, DOT: tl.constexpr, DV_HALVES: tl.constexpr = 1,
+):
+    """One persistent program per (block of BLOCK_H heads, share of the work list): the pieces of
+    the queries in its share (:func:`mla.kernels.common.share_bounds`), one after another."""
+    hb = tl.program_id(0)
+    half = 0
+    if DV_HALVES == 2:                # program (head block, output half): columns 256*half + [0, 256)
+        half = hb % 2
+        hb = hb // 2
+    p = tl.program_id(1)
+    share, x0, x1, q0, c_q, q_end, c_last, u_last = share_bounds(
+        p, n_q, s_q, share, num_programs, topk, len_ptr, len_stride, etopk, elen_ptr, elen_stride,
+        None, BLOCK_N, 1, HAS_LEN, HAS_EXTRA, HAS_ELEN)
+    if tl.program_id(0) == 0:
+        write_share_record(rec_ptr, p, share, x0, x1, q0, q_end, c_last, u_last)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < h_q
+    c = tl.arange(0, HALF)
+    for q in tl.range(q0, q_end, num_stages=1):     # the token-tile loop inside is the pipelined one
+        lo, hi, split, tiles1, n1, n2, units = piece(q, c_q, x0, x1, s_q, topk, len_ptr, len_stride, etopk, elen_ptr,
+                                                     elen_stride, BLOCK_N, 1, HAS_LEN, HAS_EXTRA, HAS_ELEN)
+        q_off, i_off, e_off = query_rows(q, s_q, q_sb, q_ss, idx_sb, idx_ss, eidx_sb, eidx_ss)
+        qrow = q_ptr + q_off + heads.to(tl.int64) * q_sh
+        qa = tl.load(qrow[:, None] + c[None, :], mask=hmask[:, None], other=0.0).to(DOT)
+        qb = tl.load(qrow[:, None] + HALF + c[None, :], mask=hmask[:, None], other=0.0).to(DOT)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc0 = tl.zeros([BLOCK_H, HALF], tl.float32)
+        if DV_HALVES == 2:
+            acc1 = tl.zeros([1, 1], tl.float32)        # unused: this program's half is acc0
+        else:
+            acc1 = tl.zeros([BLOCK_H, HALF], tl.float32)
+        m_i, l_i, acc0, acc1 = _cache_pass(m_i, l_i, acc0, acc1, qa, qb, lo, hi, tiles1,
+                                           kc_ptr, kc_stride, kc_P, kc_n, idx_ptr + i_off, n1, ec_ptr, ec_stride,
+                                           ec_P, ec_n, eidx_ptr + e_off, n2, sm_scale_log2, BLOCK_N, HAS_EXTRA,
+                                           FP8_NATIVE, DOT, DV_HALVES, half)
+        _store_piece(acc0, acc1, m_i, l_i, heads, hmask, q, split, 2 * p + (q != q0).to(tl.int32), half, out_ptr,
+                     lse_ptr, sink_ptr, sink_stride, po_ptr, plse_ptr, s_q, h_q, c, HAS_SINK, DV_HALVES)
+        c_q += units
+
+
+def launch_params(h_q: int, programs: int, *, block_h: int, block_n: int, num_warps: int, num_stages: int,
+                  dv_halves: int, fp8_native: bool, dot) -> tuple:
+    """(grid, constexpr and launch keywords) of the kernel on ``programs`` shares, besides the
+    HAS_* flags."""
+    grid = ((h_q + block_h - 1) // block_h * dv_halves, programs)
     return grid, dict(BLOCK_H=block_h, BLOCK_N=block_n, FP8_NATIVE=fp8_native, DOT=dot, DV_HALVES=dv_halves,
                       num_warps=num_warps, num_stages=num_stages)

@@ -1,4 +1,5 @@
-"""The consumer side of the Gluon kernel: decode each ring tile, S, the online softmax, P.V.
+"""The consumer side of the Gluon kernel: decode each ring tile, S, the online softmax, P.V, and
+each piece's output.
 
 Three forms, one function each:
 
@@ -20,8 +21,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from ..common import DIM, NOPE_TILES, softmax_step, tile_source, token_rows, ue8m0_to_f32
-from .compat import cta_barrier
+from ..common import DIM, LN2, NOPE_TILES, finish_softmax, piece, query_rows, sink_factor, softmax_step, tile_source, \
+    to_bf16, token_rows, ue8m0_to_f32
+from .compat import cta_barrier, reinterpret
 from .ring import RING_N, tile_rows
 
 #: Q's loads and O's stores, and the tokens-as-M forms' O^T once turned around: rows of 16-byte
@@ -45,13 +47,13 @@ GL = gl.constexpr(gl.DistributedLinearLayout(
 
 
 @gluon.jit
-def _load_q(q_ptr, tok, h_q, hb, q_smem, HEADS: gl.constexpr):
-    """Q's heads ``hb*HEADS ..`` (zeros past h_q) into shared memory as fp16, loaded as rows of
-    16-byte loads (a warp's 32 threads on 512 contiguous bytes)."""
+def _load_q(q_row, q_sh, h_q, hb, q_smem, HEADS: gl.constexpr):
+    """Q's heads ``hb*HEADS ..`` of one query row (``q_row``: its first head; heads ``q_sh``
+    apart) into shared memory as fp16 (zeros past h_q), loaded as rows of 16-byte loads (a warp's
+    32 threads on 512 contiguous bytes)."""
     qh = hb * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, ROWS_L))
     qc = gl.arange(0, DIM, layout=gl.SliceLayout(0, ROWS_L))
-    qv = gl.load(q_ptr + ((tok.to(gl.int64) * h_q + qh) * DIM)[:, None] + qc[None, :], mask=(qh < h_q)[:, None],
-                 other=0.0)
+    qv = gl.load(q_row + (qh.to(gl.int64) * q_sh)[:, None] + qc[None, :], mask=(qh < h_q)[:, None], other=0.0)
     q_smem.store(qv.to(gl.float16))
 
 
@@ -69,52 +71,117 @@ def _store_tile(kb, nb, sb, rope, OUT: gl.constexpr):
 
 
 @gluon.jit
-def consumer_heads(q_ptr, tok, h_q, hb, q_smem, k_smem, p_smem, nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1,
-                   kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2,
-                   sm_scale_log2, HAS_EXTRA: gl.constexpr, ALIGN: gl.constexpr, STAGES: gl.constexpr,
-                   HEADS: gl.constexpr):
-    """The default partition of the heads-as-M form (8 warps): per tile, decode from the ring
-    into the tile buffer, release the stage, then S, the softmax step and P.V. Returns this
-    program's (m, l, O)."""
+def _store_o(ptr, rows, hmask, o, RL: gl.constexpr, stage):
+    """Store ``o [HEADS, 512]`` (16-bit) at ``ptr + rows*512`` as rows of 16-byte stores, a warp's
+    32 threads on 512 contiguous bytes, in layout ``RL`` (:data:`ROWS_L`, or :data:`ROWS_L4` in
+    a 4-warp partition): moved into it through ``stage`` (the tile buffer, as ``o``'s dtype,
+    once every warp is past the last wgmma that reads it), or, where ``stage`` is None, by a
+    layout conversion (through scratch shared memory of its own)."""
+    if stage is None:
+        o = gl.convert_layout(o, RL)
+    else:
+        cta_barrier()
+        stage.store(o)
+        cta_barrier()
+        o = stage.load(RL)
+    rows = gl.convert_layout(rows, gl.SliceLayout(1, RL))
+    hm = gl.convert_layout(hmask, gl.SliceLayout(1, RL))
+    c = gl.arange(0, DIM, layout=gl.SliceLayout(0, RL))
+    gl.store(ptr + rows[:, None] * DIM + c[None, :], o, mask=hm[:, None])
+
+
+@gluon.jit
+def store_piece(o, m_i, l_i, hb, q, s_q, h_q, split, slot, out_ptr, lse_ptr, sink_ptr, sink_stride, po_ptr, plse_ptr,
+                HAS_SINK: gl.constexpr, HEADS: gl.constexpr, O_L: gl.constexpr, RL: gl.constexpr = ROWS_L,
+                stage_fp16=None, stage_bf16=None):
+    """Normalize one piece's O (in layout ``O_L``) and store it with its LSE: a whole query's
+    final output (sink applied), or a split one's partial in ``slot`` for the combine. O leaves as
+    rows of 16-byte stores in layout ``RL`` (in the heads-as-M wgmma's layout each thread would
+    store 4 bytes at a time), staged through the tile buffer's views ``stage_fp16`` and
+    ``stage_bf16`` where given (:func:`_store_o`)."""
+    heads = hb * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, O_L))
+    hmask = heads < h_q
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
+    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, O_L))
+    empty, l_safe, lse2 = finish_softmax(l_o, m_o)
+    o = o / l_safe[:, None]
+    if split:
+        prow = slot.to(gl.int64) * h_q + heads
+        gl.store(plse_ptr + prow, gl.where(empty, float("-inf"), lse2), mask=hmask)
+        _store_o(po_ptr, prow, hmask, o.to(gl.float16), RL, stage_fp16)
+    else:
+        lse = lse2 * LN2
+        if HAS_SINK:
+            sink = gl.load(sink_ptr + heads * sink_stride, mask=hmask, other=0.0)
+            o = o * sink_factor(sink, lse, empty)[:, None]
+        o = gl.where(empty[:, None], 0.0, o)
+        _store_o(out_ptr, q.to(gl.int64) * h_q + heads, hmask, to_bf16(o), RL, stage_bf16)
+        b = q // s_q
+        gl.store(lse_ptr + (b * h_q + heads) * s_q + (q - b * s_q), gl.where(empty, float("inf"), lse), mask=hmask)
+
+
+@gluon.jit
+def consumer_heads(hb, p, x0, x1, q0, c0, q_end, s_q, h_q, q_ptr, q_sb, q_ss, q_sh, out_ptr, lse_ptr, sink_ptr,
+                   sink_stride, po_ptr, plse_ptr, idx_ptr, idx_sb, idx_ss, topk, len_ptr, len_stride, eidx_ptr,
+                   eidx_sb, eidx_ss, etopk, elen_ptr, elen_stride, q_smem, k_smem, kbf_smem, p_smem, nope_r, rope_r, sc_r, ready,
+                   empty, kc_ptr, kc_stride, kc_P, kc_n, ec_ptr, ec_stride, ec_P, ec_n, sm_scale_log2,
+                   HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_ELEN: gl.constexpr,
+                   ALIGN: gl.constexpr, STAGES: gl.constexpr, HEADS: gl.constexpr):
+    """The default partition of the heads-as-M form (8 warps), over the pieces of its program's
+    share of the work list, query after query: Q in, then per tile decode from the ring into the
+    tile buffer, release the stage, S, the softmax step and P.V; the piece's output out, through
+    the tile buffer (``kbf_smem``: its bf16 view)."""
     OUT: gl.constexpr = gl.float16
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                   instr_shape=[16, RING_N // 2, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
     SCOL_L: gl.constexpr = gl.SliceLayout(0, S_L)
-    m_i = gl.full([HEADS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
-    l_i = gl.zeros([HEADS], gl.float32, layout=gl.SliceLayout(1, S_L))
-    o = gl.zeros([HEADS, DIM], gl.float32, layout=O_L)
     s_zero = gl.zeros([HEADS, RING_N], gl.float32, layout=S_L)
-    # Q -> shared memory (fp16, heads past h_q as zeros) while the producer's first copies fly;
-    # the barrier at the top of the first iteration orders it before the first wgmma.
-    _load_q(q_ptr, tok, h_q, hb, q_smem, HEADS)
-    for ti in range(lo, hi):
-        j = ti - lo
-        st = j % STAGES
-        # This tile's score mask in S's column layout, loaded now so that its latency is spent
-        # in the wait and the decode (an index reload that hits in cache costs less than moving
-        # the mask between layouts).
-        _c, vs, _r, _s = tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
-                                   ec_P, ec_n, idx_extra, n2, RING_N, HAS_EXTRA, SCOL_L, ALIGN)
-        mbarrier.wait(ready.index(st), (j // STAGES) & 1)
-        cta_barrier()              # both warpgroups are past their P.V of tile ti-1: the tile buffer is free
-        nb = nope_r.index(st).load(DECODE_L)
-        rope = rope_r.index(st).load(DECODE_L)
-        sb = sc_r.index(st).load(gl.SliceLayout(2, DECODE_L))
-        _store_tile(k_smem, nb, sb, rope, OUT)
-        fence_async_shared()
-        cta_barrier()
-        mbarrier.arrive(empty.index(st))   # every consumer thread has read the stage
-        s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-        p, alpha, m_i, l_i = softmax_step(s, vs, m_i, l_i, sm_scale_log2, 1)
-        p_smem.store(p.to(OUT))
-        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-        fence_async_shared()
-        cta_barrier()
-        o_tok = warpgroup_mma(p_smem, k_smem, o, is_async=True)
-        o = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
-    return m_i, l_i, o
+    j = c0 * 0
+    c = c0
+    for q in range(q0, q_end):
+        lo, hi, split, tiles1, n1, n2, units = piece(q, c, x0, x1, s_q, topk, len_ptr, len_stride, etopk, elen_ptr,
+                                                     elen_stride, RING_N, 1, HAS_LEN, HAS_EXTRA, HAS_ELEN)
+        q_off, i_off, e_off = query_rows(q, s_q, q_sb, q_ss, idx_sb, idx_ss, eidx_sb, eidx_ss)
+        idx_main = idx_ptr + i_off
+        idx_extra = eidx_ptr + e_off
+        # Q -> shared memory (fp16, heads past h_q as zeros) while the producer's copies fly; every
+        # S of the last piece is done (both warpgroups passed its last barrier before P.V), and the
+        # barrier at the top of this piece's first tile orders the store before its first wgmma.
+        _load_q(q_ptr + q_off, q_sh, h_q, hb, q_smem, HEADS)
+        m_i = gl.full([HEADS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+        l_i = gl.zeros([HEADS], gl.float32, layout=gl.SliceLayout(1, S_L))
+        o = gl.zeros([HEADS, DIM], gl.float32, layout=O_L)
+        for ti in range(lo, hi):
+            st = j % STAGES
+            # This tile's score mask in S's column layout, loaded now so that its latency is spent
+            # in the wait and the decode (an index reload that hits in cache costs less than moving
+            # the mask between layouts).
+            _c, vs, _r, _s = tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
+                                       ec_stride, ec_P, ec_n, idx_extra, n2, RING_N, HAS_EXTRA, SCOL_L, ALIGN)
+            mbarrier.wait(ready.index(st), (j // STAGES) & 1)
+            cta_barrier()          # both warpgroups are past their P.V of the last tile: the tile buffer is free
+            nb = nope_r.index(st).load(DECODE_L)
+            rope = rope_r.index(st).load(DECODE_L)
+            sb = sc_r.index(st).load(gl.SliceLayout(2, DECODE_L))
+            _store_tile(k_smem, nb, sb, rope, OUT)
+            fence_async_shared()
+            cta_barrier()
+            mbarrier.arrive(empty.index(st))   # every consumer thread has read the stage
+            s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+            pr, alpha, m_i, l_i = softmax_step(s, vs, m_i, l_i, sm_scale_log2, 1)
+            p_smem.store(pr.to(OUT))
+            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+            fence_async_shared()
+            cta_barrier()
+            o_tok = warpgroup_mma(p_smem, k_smem, o, is_async=True)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
+            j += 1
+        split = (c < x0) | (c + units > x1)
+        store_piece(o, m_i, l_i, hb, q, s_q, h_q, split, 2 * p + (q != q0).to(gl.int32), out_ptr, lse_ptr, sink_ptr,
+                    sink_stride, po_ptr, plse_ptr, HAS_SINK, HEADS, O_L, ROWS_L, k_smem, kbf_smem)
+        c += units
 
 
 @gluon.jit
@@ -132,14 +199,16 @@ def _units_mask(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_
 
 
 @gluon.jit
-def consumer_tokens(q_ptr, tok, h_q, hb, q_smem, k_smem, p_smem, nope_r, rope_r, sc_r, ready, empty, lo, hi,
-                    tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra,
-                    n2, sm_scale_log2, HAS_EXTRA: gl.constexpr, ALIGN: gl.constexpr, STAGES: gl.constexpr,
-                    HEADS: gl.constexpr, RING_TILES: gl.constexpr):
-    """The default partition of the tokens-as-M forms: ``S^T[TN, HEADS] = K.Q^T`` and
-    ``O^T[512, HEADS] += V^T.P^T`` (V^T read from the same tile buffer, transposed; the 512 rows
-    split over the warpgroups); the softmax runs down S^T's columns. A tile is ``RING_TILES``
-    ring tiles (``TN`` tokens):
+def consumer_tokens(hb, p, x0, x1, q0, c0, q_end, s_q, h_q, q_ptr, q_sb, q_ss, q_sh, out_ptr, lse_ptr, sink_ptr,
+                    sink_stride, po_ptr, plse_ptr, idx_ptr, idx_sb, idx_ss, topk, len_ptr, len_stride, eidx_ptr,
+                    eidx_sb, eidx_ss, etopk, elen_ptr, elen_stride, q_smem, k_smem, p_smem, nope_r, rope_r, sc_r,
+                    ready, empty, kc_ptr, kc_stride, kc_P, kc_n, ec_ptr, ec_stride, ec_P, ec_n, sm_scale_log2,
+                    HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_ELEN: gl.constexpr,
+                    ALIGN: gl.constexpr, STAGES: gl.constexpr, HEADS: gl.constexpr, RING_TILES: gl.constexpr):
+    """The default partition of the tokens-as-M forms, over the pieces of its program's share:
+    ``S^T[TN, HEADS] = K.Q^T`` and ``O^T[512, HEADS] += V^T.P^T`` (V^T read from the same tile
+    buffer, transposed; the 512 rows split over the warpgroups); the softmax runs down S^T's
+    columns. A tile is ``RING_TILES`` ring tiles (``TN`` tokens):
 
     - 1 tile, 16 heads: each warpgroup computes S^T for 8 of the heads, so both read the whole
       tile for it;
@@ -155,40 +224,59 @@ def consumer_tokens(q_ptr, tok, h_q, hb, q_smem, k_smem, p_smem, nope_r, rope_r,
         ST_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
                                                        instr_shape=[16, HEADS, 16])
     OT_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, HEADS, 16])
-    m_i = gl.full([HEADS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ST_L))
-    l_i = gl.zeros([HEADS], gl.float32, layout=gl.SliceLayout(0, ST_L))
-    ot = gl.zeros([DIM, HEADS], gl.float32, layout=OT_L)
     s_zero = gl.zeros([TN, HEADS], gl.float32, layout=ST_L)
-    _load_q(q_ptr, tok, h_q, hb, q_smem, HEADS)
-    for ti in range(lo, hi, RING_TILES):
-        vs = _units_mask(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
-                         idx_extra, n2, RING_TILES, HAS_EXTRA, gl.SliceLayout(1, ST_L))
-        for u in gl.static_range(RING_TILES):
-            k = ti - lo + u
-            mbarrier.wait(ready.index(k % STAGES), (k // STAGES) & 1)
-        cta_barrier()              # both warpgroups are past their P.V of the last tile: the tile buffer is free
-        for u in gl.static_range(RING_TILES):
-            st = (ti - lo + u) % STAGES
-            nb = nope_r.index(st).load(DECODE_L)
-            rope = rope_r.index(st).load(DECODE_L)
-            sb = sc_r.index(st).load(gl.SliceLayout(2, DECODE_L))
-            _store_tile(k_smem.slice(u * RING_N, RING_N), nb, sb, rope, OUT)
-            if u + 1 < RING_TILES:     # release this stage now, so that its refill starts during the next decode
-                cta_barrier()
-                mbarrier.arrive(empty.index(st))
-        fence_async_shared()
+    j = c0 * 0
+    c = c0
+    for q in range(q0, q_end):
+        lo, hi, split, tiles1, n1, n2, units = piece(q, c, x0, x1, s_q, topk, len_ptr, len_stride, etopk, elen_ptr,
+                                                     elen_stride, RING_N, RING_TILES, HAS_LEN, HAS_EXTRA, HAS_ELEN)
+        q_off, i_off, e_off = query_rows(q, s_q, q_sb, q_ss, idx_sb, idx_ss, eidx_sb, eidx_ss)
+        idx_main = idx_ptr + i_off
+        idx_extra = eidx_ptr + e_off
+        _load_q(q_ptr + q_off, q_sh, h_q, hb, q_smem, HEADS)
+        m_i = gl.full([HEADS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ST_L))
+        l_i = gl.zeros([HEADS], gl.float32, layout=gl.SliceLayout(0, ST_L))
+        ot = gl.zeros([DIM, HEADS], gl.float32, layout=OT_L)
+        for ti in range(lo, hi, RING_TILES):
+            vs = _units_mask(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P,
+                             ec_n, idx_extra, n2, RING_TILES, HAS_EXTRA, gl.SliceLayout(1, ST_L))
+            for u in gl.static_range(RING_TILES):
+                k = j + u
+                mbarrier.wait(ready.index(k % STAGES), (k // STAGES) & 1)
+            cta_barrier()          # both warpgroups are past their P.V of the last tile: the tile buffer is free
+            for u in gl.static_range(RING_TILES):
+                st = (j + u) % STAGES
+                nb = nope_r.index(st).load(DECODE_L)
+                rope = rope_r.index(st).load(DECODE_L)
+                sb = sc_r.index(st).load(gl.SliceLayout(2, DECODE_L))
+                _store_tile(k_smem.slice(u * RING_N, RING_N), nb, sb, rope, OUT)
+                if u + 1 < RING_TILES:     # release this stage now, so that its refill starts during the next decode
+                    cta_barrier()
+                    mbarrier.arrive(empty.index(st))
+            fence_async_shared()
+            cta_barrier()
+            mbarrier.arrive(empty.index((j + RING_TILES - 1) % STAGES))
+            s_tok = warpgroup_mma(k_smem, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+            pr, alpha, m_i, l_i = softmax_step(s, vs, m_i, l_i, sm_scale_log2, 0)
+            p_smem.store(gl.permute(pr.to(OUT), (1, 0)))
+            ot = ot * gl.convert_layout(alpha, gl.SliceLayout(0, OT_L))[None, :]
+            fence_async_shared()
+            cta_barrier()
+            o_tok = warpgroup_mma(k_smem.permute((1, 0)), p_smem.permute((1, 0)), ot, is_async=True)
+            ot = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
+            j += RING_TILES
+        # O^T back to [HEADS, 512], in the layout of the epilogue's row-wise stores, through the tile
+        # buffer (free once both warpgroups are past their last P.V; the next piece's first tile
+        # waits at its own barrier before it writes the buffer again)
         cta_barrier()
-        mbarrier.arrive(empty.index((ti - lo + RING_TILES - 1) % STAGES))
-        s_tok = warpgroup_mma(k_smem, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-        p, alpha, m_i, l_i = softmax_step(s, vs, m_i, l_i, sm_scale_log2, 0)
-        p_smem.store(gl.permute(p.to(OUT), (1, 0)))
-        ot = ot * gl.convert_layout(alpha, gl.SliceLayout(0, OT_L))[None, :]
-        fence_async_shared()
+        o_t = reinterpret(k_smem, gl.float32, [DIM, HEADS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        o_t.store(ot)
         cta_barrier()
-        o_tok = warpgroup_mma(k_smem.permute((1, 0)), p_smem.permute((1, 0)), ot, is_async=True)
-        ot = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
-    return m_i, l_i, ot
+        o = o_t.permute((1, 0)).load(ROWS_L)
+        store_piece(o, m_i, l_i, hb, q, s_q, h_q, split, 2 * p + (q != q0).to(gl.int32), out_ptr, lse_ptr, sink_ptr,
+                    sink_stride, po_ptr, plse_ptr, HAS_SINK, HEADS, ROWS_L)
+        c += units
 
 
 @gluon.jit
@@ -214,17 +302,16 @@ def _as_a(v, A_L: gl.constexpr):
 
 
 @gluon.jit
-def load_q_pair(q_ptr, tok, h_q, hb, q_smem, HEADS: gl.constexpr):
-    """Q's heads ``hb*HEADS ..`` into shared memory as fp16 for the two-consumer form, each 64-dim
-    group's columns in the order of :data:`GL`: column ``64g + k`` holds dim ``64g + 16*((k>>1)&3)
-    + 4*(k>>4) + 2*((k>>3)&1) + (k&1)``."""
+def load_q_pair(q_row, q_sh, h_q, hb, q_smem, HEADS: gl.constexpr):
+    """Q's heads ``hb*HEADS ..`` of one query row into shared memory as fp16 for the two-consumer
+    form, each 64-dim group's columns in the order of :data:`GL`: column ``64g + k`` holds dim
+    ``64g + 16*((k>>1)&3) + 4*(k>>4) + 2*((k>>3)&1) + (k&1)``."""
     L: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0])
     qh = hb * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, L))
     k = gl.arange(0, DIM, layout=gl.SliceLayout(0, L))
     kg = k & 63
     d = (k >> 6) * 64 + ((kg >> 1) & 3) * 16 + (kg >> 4) * 4 + ((kg >> 3) & 1) * 2 + (kg & 1)
-    q = gl.load(q_ptr + ((tok.to(gl.int64) * h_q + qh) * DIM)[:, None] + d[None, :], mask=(qh < h_q)[:, None],
-                other=0.0)
+    q = gl.load(q_row + (qh.to(gl.int64) * q_sh)[:, None] + d[None, :], mask=(qh < h_q)[:, None], other=0.0)
     q_smem.store(q.to(gl.float16))
 
 

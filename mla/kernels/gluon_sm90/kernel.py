@@ -1,9 +1,9 @@
 """The Gluon sm_90 kernel itself: its shared memory, its partitions, its epilogue and its launch.
 
-One program per (query token, head block, split) runs a producer partition
+One persistent program per (head block, share of the work list) runs a producer partition
 (:func:`~.ring.producer`, 4 warps, cp.async into a two-stage ring) beside consumers
-(:mod:`.consumers`). Shared memory with 64 heads: Q 64 KB, the tile buffer 64 KB, P 8 KB and
-the ring 2 x 40.5 KB, 217 KB of the H200's 227. The outputs (final, or split partials for
+(:mod:`.consumers`), over the pieces of the queries in its share. Shared memory with 64 heads:
+Q 64 KB, the tile buffer 64 KB, P 8 KB and the ring 2 x 40.5 KB, 217 KB of the H200's 227. The outputs (final, or split partials for
 :mod:`mla.kernels.combine`) are those of the ``tl.dot`` kernel.
 """
 from __future__ import annotations
@@ -12,10 +12,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from ..common import DIM, LN2, finish_softmax, sink_factor, split_range, to_bf16
+from ..common import DIM, query_rows, share_bounds, split_range, write_share_record
 from .compat import cta_barrier, reinterpret
-from .consumers import ROWS_L, ROWS_L4, consumer_heads, consumer_pair, consumer_tokens, load_q_pair
-from .ring import RING_N, producer
+from .consumers import ROWS_L4, consumer_heads, consumer_pair, consumer_tokens, load_q_pair, store_piece
+from .ring import RING_N, producer, producer_one
 
 #: the consumers of the one-consumer forms (the kernel's num_warps): two warpgroups
 NUM_WARPS = 8
@@ -65,62 +65,30 @@ def row_align(*caches) -> int:
     return 0
 
 
-@gluon.jit
-def _store_o(ptr, rows, hmask, o, RL: gl.constexpr = ROWS_L):
-    """Store ``o [HEADS, 512]`` at ``ptr + rows*512``, laid out as ``RL`` (:data:`ROWS_L`, or
-    :data:`ROWS_L4` in a 4-warp kernel) for the stores."""
-    o = gl.convert_layout(o, RL)
-    rows = gl.convert_layout(rows, gl.SliceLayout(1, RL))
-    hm = gl.convert_layout(hmask, gl.SliceLayout(1, RL))
-    c = gl.arange(0, DIM, layout=gl.SliceLayout(0, RL))
-    gl.store(ptr + rows[:, None] * DIM + c[None, :], o, mask=hm[:, None])
+#: the query rows of one pass of the work list's prefix sums (:func:`mla.kernels.common.share_bounds`),
+#: spread over the one-consumer forms' 8 warps
+ROWS_1D = gl.constexpr(gl.BlockedLayout([1], [32], [8], [0]))
 
 
-@gluon.jit
-def _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
-              num_splits, HAS_SINK: gl.constexpr, PARTIAL: gl.constexpr, HEADS: gl.constexpr, O_L: gl.constexpr,
-              RL: gl.constexpr = ROWS_L):
-    """Normalize O (in layout ``O_L``) and store it with its LSE: final (sink applied) or a split's
-    partial. O leaves as rows of 16-byte stores, a warp's 32 threads on 512 contiguous bytes (in
-    the heads-as-M wgmma's layout each thread would store 4 bytes at a time)."""
-    heads = hb * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, O_L))
-    hmask = heads < h_q
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
-    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, O_L))
-    empty, l_safe, lse2 = finish_softmax(l_o, m_o)
-    o = o / l_safe[:, None]
-    if PARTIAL:
-        prow = (tok.to(gl.int64) * num_splits + split) * h_q + heads
-        gl.store(plse_ptr + prow, gl.where(empty, float("-inf"), lse2), mask=hmask)
-        _store_o(po_ptr, prow, hmask, o.to(po_ptr.dtype.element_ty), RL)
-    else:
-        lse = lse2 * LN2
-        if HAS_SINK:
-            sink = gl.load(sink_ptr + heads, mask=hmask, other=0.0)
-            o = o * sink_factor(sink, lse, empty)[:, None]
-        o = gl.where(empty[:, None], 0.0, o)
-        _store_o(out_ptr, tok.to(gl.int64) * h_q + heads, hmask, to_bf16(o), RL)
-        gl.store(lse_ptr + (b * h_q + heads) * s_q + s_idx, gl.where(empty, float("inf"), lse), mask=hmask)
-
-
-@gluon.jit(do_not_specialize=["num_splits"])  # one variant for every split count
+@gluon.jit(do_not_specialize=["n_q", "s_q", "h_q", "share", "num_programs"])  # one variant for every grid
 def gluon_decode_kernel(
-    q_ptr, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr,
-    kc_ptr, kc_stride, kc_P, kc_n, idx_ptr, topk, len_ptr,
-    ec_ptr, ec_stride, ec_P, ec_n, eidx_ptr, etopk, elen_ptr,
-    s_q, h_q, sm_scale_log2, num_splits,
+    q_ptr, q_sb, q_ss, q_sh, out_ptr, lse_ptr, sink_ptr, sink_stride, po_ptr, plse_ptr, rec_ptr,
+    kc_ptr, kc_stride, kc_P, kc_n, idx_ptr, idx_sb, idx_ss, topk, len_ptr, len_stride,
+    ec_ptr, ec_stride, ec_P, ec_n, eidx_ptr, eidx_sb, eidx_ss, etopk, elen_ptr, elen_stride,
+    n_q, s_q, h_q, sm_scale_log2, share, num_programs,
     HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_ELEN: gl.constexpr,
-    PARTIAL: gl.constexpr, ALIGN: gl.constexpr, HEADS: gl.constexpr, RING_TILES: gl.constexpr,
+    ALIGN: gl.constexpr, HEADS: gl.constexpr, RING_TILES: gl.constexpr,
     TWO_CONSUMERS: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     GROUP_MAJOR: gl.constexpr,
 ):
-    """One program per (query token, ``HEADS`` heads, split), in a form of
-    :data:`mla.configs.GLUON_FORMS` (:func:`launch_options` gives its constexprs): ``HEADS`` 64,
-    heads as the M of the dots; 16 or 8, tokens as M, with tiles of ``RING_TILES`` ring tiles;
-    ``TWO_CONSUMERS`` (8 heads), two consumer warpgroups. ``STAGES``: ring stages;
-    ``PRODUCER_REGS``: the producer's registers when it is a worker; ``CONSUMER_REGS``: each of
-    the two consumers'; ``GROUP_MAJOR``: the FP8 ring's byte order; ``ALIGN``: the width of the
-    ring's copies (:func:`row_align`)."""
+    """In a form of :data:`mla.configs.GLUON_FORMS` (:func:`launch_options` gives its constexprs):
+    ``HEADS`` 64, heads as the M of the dots; 16 or 8, tokens as M, with tiles of ``RING_TILES``
+    ring tiles: one persistent program per (``HEADS`` heads, share of the work list), over the
+    pieces of its share (:func:`mla.kernels.common.share_bounds`). ``TWO_CONSUMERS`` (8 heads),
+    two consumer warpgroups: one program per (query row, uniform split ``num_programs``).
+    ``STAGES``: ring stages; ``PRODUCER_REGS``: the producer's registers when it is a worker;
+    ``CONSUMER_REGS``: each of the two consumers'; ``GROUP_MAJOR``: the FP8 ring's byte order;
+    ``ALIGN``: the width of the ring's copies (:func:`row_align`)."""
     if TWO_CONSUMERS:
         gl.static_assert(HEADS == 8 and RING_TILES == 1, "two consumers: 8 heads x 64 tokens (16 heads take 235 KB)")
     else:
@@ -139,19 +107,21 @@ def gluon_decode_kernel(
     R2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
 
     hb = gl.program_id(0)
-    split = gl.program_id(1)
-    tok = gl.program_id(2)
-    b = tok // s_q
-    s_idx = tok - b * s_q
-    n1, tiles1, n2, lo, hi = split_range(b, split, topk, len_ptr, etopk, elen_ptr, num_splits, RING_N, HAS_LEN,
-                                         HAS_EXTRA, HAS_ELEN)
-    if RING_TILES > 1:   # each split takes a multiple of RING_TILES ring tiles
-        tiles = tiles1 + (n2 + RING_N - 1) // RING_N
-        per = ((tiles + num_splits - 1) // num_splits + RING_TILES - 1) // RING_TILES * RING_TILES
-        lo = split * per
-        hi = gl.minimum(lo + per, tiles)
-    idx_main = idx_ptr + tok.to(gl.int64) * topk
-    idx_extra = eidx_ptr + tok.to(gl.int64) * etopk
+    p = gl.program_id(1)
+    if TWO_CONSUMERS:
+        tok = gl.program_id(2)
+        n1, tiles1, n2, lo, hi = split_range(tok, p, s_q, topk, len_ptr, len_stride, etopk, elen_ptr, elen_stride,
+                                             num_programs, RING_N, HAS_LEN, HAS_EXTRA, HAS_ELEN)
+        q_off, i_off, e_off = query_rows(tok, s_q, q_sb, q_ss, idx_sb, idx_ss, eidx_sb, eidx_ss)
+        idx_main = idx_ptr + i_off
+        idx_extra = eidx_ptr + e_off
+    else:
+        share, x0, x1, q0, c0, q_end, c_last, u_last = share_bounds(
+            p, n_q, s_q, share, num_programs, topk, len_ptr, len_stride, etopk, elen_ptr, elen_stride,
+            gl.arange(0, 256, layout=ROWS_1D), RING_N, RING_TILES, HAS_LEN,
+            HAS_EXTRA, HAS_ELEN)
+        if hb == 0:
+            write_share_record(rec_ptr, p, share, x0, x1, q0, q_end, c_last, u_last)
 
     nope_r = gl.allocate_shared_memory(gl.uint8, [STAGES, RING_N, 8, 64], RN)
     rope_r = gl.allocate_shared_memory(gl.bfloat16, [STAGES, RING_N, 1, 64], R3)
@@ -173,20 +143,21 @@ def gluon_decode_kernel(
         X_S: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         x0_smem = reinterpret(k0_smem, gl.float32, [DIM, HEADS], X_S)
         x1_smem = reinterpret(k1_smem, gl.float32, [DIM, HEADS], X_S)
-        load_q_pair(q_ptr, tok, h_q, hb, q_smem, HEADS)
+        load_q_pair(q_ptr + q_off, q_sh, h_q, hb, q_smem, HEADS)
     else:
         q_smem = gl.allocate_shared_memory(OUT, [HEADS, DIM], Q_S)
         k_smem = gl.allocate_shared_memory(OUT, [RING_TILES * RING_N, DIM], K_S)
         p_smem = gl.allocate_shared_memory(OUT, [HEADS, RING_TILES * RING_N], P_S)
+        kbf_smem = reinterpret(k_smem, gl.bfloat16, [RING_TILES * RING_N, DIM], K_S)   # heads as M's output stage
     fence_async_shared()
     cta_barrier()
 
     if TWO_CONSUMERS:
         # the producer is the default partition (it gets the registers the consumers leave)
         gl.warp_specialize([
-            (producer, (nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n,
-                        idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, HAS_EXTRA, ALIGN, STAGES, PW,
-                        1)),
+            (producer_one, (nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n,
+                            idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, HAS_EXTRA, ALIGN, STAGES,
+                            PW)),
             (consumer_pair, (0, x0_smem, xml_smem, q_smem, k0_smem, p0_smem, nope_r, rope_r, sc_r, ready, empty,
                              lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P,
                              ec_n, idx_extra, n2, sm_scale_log2, HAS_EXTRA, ALIGN, STAGES, HEADS)),
@@ -209,40 +180,40 @@ def gluon_decode_kernel(
         a1 = gl.exp2(m1 - m_safe)
         l_i = l0 * a0 + l1 * a1
         o = gl.convert_layout(gl.permute(ot0 * a0[None, :] + ot1 * a1[None, :], (1, 0)), ROWS_L4)
-        _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
-                  num_splits, HAS_SINK, PARTIAL, HEADS, ROWS_L4, ROWS_L4)
+        store_piece(o, m_i, l_i, hb, tok, s_q, h_q, num_programs > 1, tok * num_programs + p, out_ptr, lse_ptr,
+                    sink_ptr, sink_stride, po_ptr, plse_ptr, HAS_SINK, HEADS, ROWS_L4, ROWS_L4)
     elif HEADS == 64:
-        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                      instr_shape=[16, 256, 16])
-        m_i, l_i, o = gl.warp_specialize([
-            (consumer_heads, (q_ptr, tok, h_q, hb, q_smem, k_smem, p_smem, nope_r, rope_r, sc_r, ready, empty, lo,
-                              hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
-                              idx_extra, n2, sm_scale_log2, HAS_EXTRA, ALIGN, STAGES, HEADS)),
-            (producer, (nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n,
-                        idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, HAS_EXTRA, ALIGN, STAGES, PW,
-                        1)),
+        gl.warp_specialize([
+            (consumer_heads, (hb, p, x0, x1, q0, c0, q_end, s_q, h_q, q_ptr, q_sb, q_ss, q_sh, out_ptr, lse_ptr,
+                              sink_ptr, sink_stride, po_ptr, plse_ptr, idx_ptr, idx_sb, idx_ss, topk, len_ptr,
+                              len_stride, eidx_ptr, eidx_sb, eidx_ss, etopk, elen_ptr, elen_stride, q_smem, k_smem,
+                              kbf_smem, p_smem, nope_r, rope_r, sc_r, ready, empty, kc_ptr, kc_stride, kc_P, kc_n,
+                              ec_ptr, ec_stride, ec_P, ec_n, sm_scale_log2, HAS_SINK, HAS_LEN, HAS_EXTRA, HAS_ELEN,
+                              ALIGN, STAGES, HEADS)),
+            (producer, (nope_r, rope_r, sc_r, ready, empty, x0, x1, q0, c0, q_end, n_q, s_q, idx_ptr, idx_sb, idx_ss,
+                        topk, len_ptr, len_stride, eidx_ptr, eidx_sb, eidx_ss, etopk, elen_ptr, elen_stride, kc_ptr,
+                        kc_stride, kc_P, kc_n, ec_ptr, ec_stride, ec_P, ec_n, HAS_LEN, HAS_EXTRA, HAS_ELEN, ALIGN,
+                        STAGES, PW, 1)),
         ], [PW], [PRODUCER_REGS])
-        _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
-                  num_splits, HAS_SINK, PARTIAL, HEADS, O_L)
     else:
-        # O^T back to [HEADS, 512], in the layout of the epilogue's row-wise stores.
-        m_i, l_i, ot = gl.warp_specialize([
-            (consumer_tokens, (q_ptr, tok, h_q, hb, q_smem, k_smem, p_smem, nope_r, rope_r, sc_r, ready, empty, lo,
-                               hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P,
-                               ec_n, idx_extra, n2, sm_scale_log2, HAS_EXTRA, ALIGN, STAGES, HEADS, RING_TILES)),
-            (producer, (nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n,
-                        idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, HAS_EXTRA, ALIGN, STAGES, PW,
-                        RING_TILES)),
+        gl.warp_specialize([
+            (consumer_tokens, (hb, p, x0, x1, q0, c0, q_end, s_q, h_q, q_ptr, q_sb, q_ss, q_sh, out_ptr, lse_ptr,
+                               sink_ptr, sink_stride, po_ptr, plse_ptr, idx_ptr, idx_sb, idx_ss, topk, len_ptr,
+                               len_stride, eidx_ptr, eidx_sb, eidx_ss, etopk, elen_ptr, elen_stride, q_smem, k_smem,
+                               p_smem, nope_r, rope_r, sc_r, ready, empty, kc_ptr, kc_stride, kc_P, kc_n, ec_ptr,
+                               ec_stride, ec_P, ec_n, sm_scale_log2, HAS_SINK, HAS_LEN, HAS_EXTRA, HAS_ELEN, ALIGN,
+                               STAGES, HEADS, RING_TILES)),
+            (producer, (nope_r, rope_r, sc_r, ready, empty, x0, x1, q0, c0, q_end, n_q, s_q, idx_ptr, idx_sb, idx_ss,
+                        topk, len_ptr, len_stride, eidx_ptr, eidx_sb, eidx_ss, etopk, elen_ptr, elen_stride, kc_ptr,
+                        kc_stride, kc_P, kc_n, ec_ptr, ec_stride, ec_P, ec_n, HAS_LEN, HAS_EXTRA, HAS_ELEN, ALIGN,
+                        STAGES, PW, RING_TILES)),
         ], [PW], [PRODUCER_REGS])
-        o = gl.convert_layout(gl.permute(ot, (1, 0)), ROWS_L)
-        _epilogue(o, m_i, l_i, hb, tok, b, s_idx, split, out_ptr, lse_ptr, sink_ptr, po_ptr, plse_ptr, s_q, h_q,
-                  num_splits, HAS_SINK, PARTIAL, HEADS, ROWS_L)
 
 
-def launch_params(n_tokens: int, h_q: int, splits: int, *, heads: int, tile_tokens: int, two_consumers: bool,
+def launch_params(n_q: int, h_q: int, programs: int, *, heads: int, tile_tokens: int, two_consumers: bool,
                   align: int) -> tuple:
-    """(grid, constexpr and launch keywords) of the kernel in a form (:func:`launch_options`) for
-    ``n_tokens`` query tokens, besides the HAS_* / PARTIAL flags of
-    :func:`mla.kernels.common.decode_args`."""
-    return ((h_q + heads - 1) // heads, splits, n_tokens), dict(ALIGN=align, **launch_options(heads, tile_tokens,
-                                                                                               two_consumers))
+    """(grid, constexpr and launch keywords) of the kernel in a form (:func:`launch_options`),
+    besides the HAS_* flags: ``programs`` shares of the work list, or for the two-consumer form
+    ``programs`` uniform splits of each of the ``n_q`` query rows."""
+    grid = ((h_q + heads - 1) // heads, programs) + ((n_q,) if two_consumers else ())
+    return grid, dict(ALIGN=align, **launch_options(heads, tile_tokens, two_consumers))

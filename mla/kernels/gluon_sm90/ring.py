@@ -1,10 +1,11 @@
 """The producer side of the Gluon kernel: which cache bytes a token tile needs, and their copy
 into the shared-memory ring.
 
-The producer partition holds addresses only. For each 64-token ring tile it waits until the
-consumers have released the stage (``empty``), issues ``cp.async`` copies of the tile's raw
-bytes (FP8 nope, bf16 rope, UE8M0 scales; invalid tokens zero-filled) into it, and each copying
-thread arrives on the stage's ``ready`` barrier once its own copies have landed.
+The producer partition holds addresses only. For each 64-token ring tile of its program's share
+of the work list, query after query, it waits until the consumers have released the stage
+(``empty``), issues ``cp.async`` copies of the tile's raw bytes (FP8 nope, bf16 rope, UE8M0
+scales; invalid tokens zero-filled) into it, and each copying thread arrives on the stage's
+``ready`` barrier once its own copies have landed.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from ..common import NOPE, NOPE_TILES, tile_source, token_rows
+from ..common import NOPE, NOPE_TILES, piece, query_rows, tile_source, token_rows
 from .compat import cp_async
 
 #: tokens per ring stage
@@ -62,19 +63,17 @@ def _copy_tile(stage, cache, valid, row, srow, L3: gl.constexpr):
 
 
 @gluon.jit
-def producer(nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
-             ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, HAS_EXTRA: gl.constexpr, ALIGN: gl.constexpr,
-             STAGES: gl.constexpr, WARPS: gl.constexpr, RING_TILES: gl.constexpr):
-    """The producer partition: copies each tile's raw bytes into the ring once the consumers have
-    read the stage's previous tile. The next tile's indices are loaded before the wait. For
-    consumer tiles of ``RING_TILES`` ring tiles it copies a multiple of ``RING_TILES`` (tiles at
-    or past ``hi`` all invalid: zero-filled)."""
-    LP: gl.constexpr = gl.BlockedLayout([1, 8, 16], [8, 1, 4], [WARPS, 1, 1], [2, 1, 0])
+def _produce(j, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
+             idx_extra, n2, nope_r, rope_r, sc_r, ready, empty, HAS_EXTRA: gl.constexpr, ALIGN: gl.constexpr,
+             STAGES: gl.constexpr, RING_TILES: gl.constexpr, LP: gl.constexpr):
+    """Copy ring tiles ``[lo, hi)`` of one query, rounded up to a multiple of ``RING_TILES`` (tiles
+    at or past ``hi`` all invalid: zero-filled), into the ring from its ``j``-th stage use on; each
+    waits until the consumers have read the stage's previous tile, and the next tile's indices are
+    loaded before that wait. Returns the count of stage uses after them."""
     RP: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, LP))
     cache, valid, row, srow = tile_rows(lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
                                         ec_stride, ec_P, ec_n, idx_extra, n2, RING_N, HAS_EXTRA, RP, ALIGN)
     for ti in range(lo, lo + (hi - lo + RING_TILES - 1) // RING_TILES * RING_TILES):
-        j = ti - lo
         st = j % STAGES
         mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)
         _copy_tile((nope_r.index(st), rope_r.index(st), sc_r.index(st)), cache, valid, row, srow, LP)
@@ -82,3 +81,39 @@ def producer(nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stri
         cache, valid, row, srow = tile_rows(ti + 1, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
                                             ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, RING_N, HAS_EXTRA, RP,
                                             ALIGN)
+        j += 1
+    return j
+
+
+@gluon.jit
+def producer(nope_r, rope_r, sc_r, ready, empty, x0, x1, q0, c0, q_end, n_q, s_q, idx_ptr, idx_sb, idx_ss, topk,
+             len_ptr, len_stride, eidx_ptr, eidx_sb, eidx_ss, etopk, elen_ptr, elen_stride, kc_ptr, kc_stride, kc_P,
+             kc_n, ec_ptr, ec_stride, ec_P, ec_n, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr,
+             HAS_ELEN: gl.constexpr, ALIGN: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
+             RING_TILES: gl.constexpr):
+    """The producer partition of a persistent program: the raw bytes of every tile of its share
+    of the work list (units ``[x0, x1)``, queries ``q0 .. q_end-1``, the first starting at unit
+    ``c0``), query after query, into the ring, running ahead of the consumers across queries."""
+    LP: gl.constexpr = gl.BlockedLayout([1, 8, 16], [8, 1, 4], [WARPS, 1, 1], [2, 1, 0])
+    j = c0 * 0
+    c = c0
+    for q in range(q0, q_end):
+        lo, hi, split, tiles1, n1, n2, units = piece(q, c, x0, x1, s_q, topk, len_ptr, len_stride, etopk, elen_ptr,
+                                                     elen_stride, RING_N, RING_TILES, HAS_LEN, HAS_EXTRA,
+                                                     HAS_ELEN)
+        _q, i_off, e_off = query_rows(q, s_q, 0, 0, idx_sb, idx_ss, eidx_sb, eidx_ss)
+        j = _produce(j, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_ptr + i_off, n1, ec_ptr, ec_stride, ec_P,
+                     ec_n, eidx_ptr + e_off, n2, nope_r, rope_r, sc_r, ready, empty, HAS_EXTRA, ALIGN, STAGES,
+                     RING_TILES, LP)
+        c += units
+
+
+@gluon.jit
+def producer_one(nope_r, rope_r, sc_r, ready, empty, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
+                 ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, HAS_EXTRA: gl.constexpr, ALIGN: gl.constexpr,
+                 STAGES: gl.constexpr, WARPS: gl.constexpr):
+    """The producer partition of the one form with a program per query piece (two consumers): the
+    tiles ``[lo, hi)`` of one query."""
+    LP: gl.constexpr = gl.BlockedLayout([1, 8, 16], [8, 1, 4], [WARPS, 1, 1], [2, 1, 0])
+    _produce(lo * 0, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
+             idx_extra, n2, nope_r, rope_r, sc_r, ready, empty, HAS_EXTRA, ALIGN, STAGES, 1, LP)
