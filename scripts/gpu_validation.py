@@ -175,8 +175,10 @@ def main(argv=None) -> int:
     deadline = t_start + a.budget_s
     bench_specs = mv.benchmark_cases(pool_bytes=a.pool_gb * 1e9)
     odd_specs = mv.odd_cases()
+    sched_specs = mv.schedule_cases() if on_gpu else []
     if a.quick:
         bench_specs, odd_specs = (bench_specs[:1], odd_specs[:3]) if on_gpu else ([], mv.quick_cases()[:4])
+        sched_specs = sched_specs[:2]
     info_specs = [s for s in odd_specs if s.topk + s.extra_topk <= 120 and s.h_q >= 8][:8]
     info_specs.append(mv.CaseSpec("range probe |q| ~ 1e5 (beyond fp16)", b=1, s_q=1, h_q=16, topk=64, page=64,
                                   q_scale=3e4, sink_inf=False, seed=400))
@@ -186,9 +188,9 @@ def main(argv=None) -> int:
     if not (on_gpu and torch.cuda.get_device_capability() == (9, 0)):     # the Gluon kernel is sm_90 only
         counted_impls = tuple(n for n in COUNTED if n not in GLUON)
     jobs = [(sp, counted_impls, deadline, not a.no_leak_check, i, a.device)
-            for i, sp in enumerate(_split(bench_specs + odd_specs, w))]
+            for i, sp in enumerate(_split(bench_specs + sched_specs + odd_specs, w))]
     jobs += [(sp, INFO_IMPLS + ("mma",), deadline, False, w + i, a.device) for i, sp in enumerate(_split(info_specs, 2))]
-    print(f"{len(bench_specs)} benchmark + {len(odd_specs)} odd cases x {counted_impls}, {len(info_specs)} informational; "
+    print(f"{len(bench_specs)} benchmark + {len(sched_specs)} schedule + {len(odd_specs)} odd cases x {counted_impls}, {len(info_specs)} informational; "
           f"{w} workers", flush=True)
     results = _run_pool([j for j in jobs if j[0]], w)
     rows, info_rows, skipped, info_skipped = [], [], [], []
@@ -196,7 +198,8 @@ def main(argv=None) -> int:
         counted = job[1] == counted_impls
         (rows if counted else info_rows).extend(r)
         (skipped if counted else info_skipped).extend(sk)
-    kind = {s.name: "benchmark" for s in bench_specs} | {s.name: "odd" for s in odd_specs}
+    kind = ({s.name: "benchmark" for s in bench_specs} | {s.name: "schedule" for s in sched_specs}
+            | {s.name: "odd" for s in odd_specs})
     for r in rows:
         r["set"] = kind.get(r["case"])
     try:
@@ -205,7 +208,7 @@ def main(argv=None) -> int:
         graph = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
     summ = mv.summary(rows)
     summ.update(skipped=skipped, complete=not skipped, graph_replay_ok=graph["ok"],
-                benchmark_cases=len(bench_specs), odd_cases=len(odd_specs), pool_bytes=a.pool_gb * 1e9,
+                benchmark_cases=len(bench_specs), schedule_cases=len(sched_specs), odd_cases=len(odd_specs), pool_bytes=a.pool_gb * 1e9,
                 seconds=round(time.time() - t_start, 1))
     info = {"about": "not counted: mma-bf16 is the MMA kernel with bf16 tensor-core operands (P rounded to "
                      "2**-8), expected to fail the SPEC's out tolerance where few tokens are valid; the range probe "

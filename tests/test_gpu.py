@@ -33,18 +33,19 @@ def test_kernels_on_gpu(impl, name):
 
 
 @pytest.mark.parametrize("variant", list(GLUON_FORMS))
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("programs", [None, 1, 7])
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_gluon_kernel_on_gpu(name, splits, variant):
+def test_gluon_kernel_on_gpu(name, programs, variant):
     """The sm_90 Gluon kernel's four forms (mla.configs.GLUON_FORMS), each forced on every
     shape (the launch rule picks heads as M for h_q > 16 on grids that fill the GPU, tokens as M
-    for h_q <= 16)."""
+    for h_q <= 16), on the rule's schedule and on 1 and 7 persistent programs (7: shares that end
+    mid-query; for the two-consumer form, splits of each query)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is for sm_90")
     case = make_case(**SHAPES[name], device="cuda", seed=len(name))
 
     def fn(**kw):
-        return mla.sparse_decode(**kw, plan=mla.plan(**kw, config=GluonConfig(variant), splits=splits))
+        return mla.sparse_decode(**kw, plan=mla.plan(**kw, config=GluonConfig(variant), programs=programs))
     out_ok, lse_ok = run_case(fn, case)
     assert out_ok.ok, str(out_ok)
     assert lse_ok.ok, str(lse_ok)
@@ -174,3 +175,30 @@ def test_flashmla_itself_and_mla_flash_mla_agree_with_the_reference_at_the_bench
         assert lse.shape == (case["q"].shape[0], case["q"].shape[2], case["q"].shape[1]), module.__name__
         out_ok, lse_ok = mla.validate.check_against_reference(out, lse, *ref)
         assert out_ok.ok and lse_ok.ok, (module.__name__, str(out_ok), str(lse_ok))
+
+
+def test_a_call_on_strided_inputs_reads_them_in_place():
+    """FlashMLA's strided q and indices (s_q outermost in memory) go to the kernels as they are:
+    the torch profiler sees only the decode and the combine (no copy kernel), and the result is
+    the contiguous call's, bit for bit."""
+    case = make_case(b=4, s_q=2, h_q=64, topk=128, page=256, extra_topk=512, extra_page=64, lengths=True,
+                     strided=True, device="cuda", seed=3)
+    assert not case["q"].is_contiguous() and not case["indices"].is_contiguous()
+    meta, _ = mla_flash_mla.get_mla_metadata()
+
+    def call():
+        return mla_flash_mla.flash_mla_with_kvcache(
+            case["q"], case["k_cache"], None, None, 512, meta, is_fp8_kvcache=True, indices=case["indices"],
+            attn_sink=case["attn_sink"], extra_k_cache=case["extra_k_cache"],
+            extra_indices_in_kvcache=case["extra_indices"], topk_length=case["topk_length"],
+            extra_topk_length=case["extra_topk_length"])
+    call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out, lse = call()
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert kernels and all("decode_kernel" in k or "combine_kernel" in k for k in kernels), kernels
+    dense = {k: (v.contiguous() if torch.is_tensor(v) else v) for k, v in case.items()}
+    want_out, want_lse = mla.sparse_decode(**dense)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)

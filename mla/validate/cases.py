@@ -68,12 +68,14 @@ _DEVICE_GEN_TOKENS = 1 << 18
 
 def make_case(b=2, s_q=1, h_q=4, topk=32, page=16, num_blocks=None, extra_topk=0, extra_page=8,
               lengths=False, sink=True, invalid_frac=0.1, empty_query=False, device="cpu", seed=0,
-              extra_num_blocks=None, sink_inf=True, softmax_scale=None, q_scale=1.0) -> dict:
+              extra_num_blocks=None, sink_inf=True, softmax_scale=None, q_scale=1.0, strided=False) -> dict:
     """Fresh random inputs for one call: q, caches of quantized N(0, 1) latents, indices with
     ``invalid_frac`` of every invalid kind, optional lengths (one of them 0), a sink with +inf
     and -inf entries (``sink_inf``; else all finite), and every unreferenced cache byte NaN.
     ``empty_query`` leaves query (0, 0) with no valid token in either cache. ``q_scale``
-    multiplies q (large scores: a peaked softmax). Returns the keyword arguments of
+    multiplies q (large scores: a peaked softmax). ``lengths="edges"`` gives every other batch
+    row a length of 0 and the rest the full top-k. ``strided`` hands q and the indices over as
+    views with s_q outermost in memory, as FlashMLA's tests make them. Returns the keyword arguments of
     :func:`mla.sparse_decode` (without ``impl``). Caches of more than 2**18 tokens for a CUDA
     device are generated on the device."""
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -106,18 +108,27 @@ def make_case(b=2, s_q=1, h_q=4, topk=32, page=16, num_blocks=None, extra_topk=0
             if h_q > 1:
                 s[1] = float("-inf")
         kw["attn_sink"] = s.to(device)
+    def draw_lengths(k):
+        if lengths == "edges":
+            return torch.where(torch.arange(b) % 2 == 0, k, 0).to(torch.int32)
+        return torch.randint(0, k + 1, (b,), generator=g, dtype=torch.int32)
+
     if lengths:
-        tl_ = torch.randint(0, topk + 1, (b,), generator=g, dtype=torch.int32)
+        tl_ = draw_lengths(topk)
         tl_[-1] = 0
         kw["topk_length"] = tl_.to(device)
     if extra_topk:
         kw["extra_k_cache"], kw["extra_indices"] = cache_and_indices(extra_topk, extra_page, extra_num_blocks)
         if lengths:
-            kw["extra_topk_length"] = torch.randint(0, extra_topk + 1, (b,), generator=g, dtype=torch.int32).to(device)
+            kw["extra_topk_length"] = draw_lengths(extra_topk).to(device)
         poison_unreferenced(kw["extra_k_cache"], _valid_positions(kw["extra_indices"], kw.get("extra_topk_length")))
     poison_unreferenced(kw["k_cache"], _valid_positions(kw["indices"], kw.get("topk_length")))
     if softmax_scale is not None:
         kw["softmax_scale"] = float(softmax_scale)
+    if strided:
+        for key in ("q", "indices", "extra_indices"):
+            if key in kw:
+                kw[key] = kw[key].transpose(0, 1).contiguous().transpose(0, 1)
     return kw
 
 
@@ -143,7 +154,7 @@ class CaseSpec:
     extra_topk: int = 0
     extra_page: int = 8
     extra_num_blocks: int | None = None
-    lengths: bool = False
+    lengths: bool | str = False
     sink: bool = True
     sink_inf: bool = True
     invalid_frac: float = 0.1
@@ -151,6 +162,7 @@ class CaseSpec:
     softmax_scale: float | None = None
     q_scale: float = 1.0
     seed: int = 0
+    strided: bool = False
 
     def kwargs(self) -> dict:
         d = asdict(self)
@@ -275,6 +287,29 @@ def odd_cases() -> list[CaseSpec]:
                  invalid_frac=0.999, sink_inf=False, seed=203),
     ]
     return out
+
+
+def schedule_cases() -> list[CaseSpec]:
+    """Production-sized cases for the flat work list (:mod:`mla.schedule`): odd batch sizes,
+    shares that end mid-query (few queries of many tiles), lengths of 0 and of the full top-k,
+    every index invalid, both caches at page size 2, 128 heads, and strided inputs."""
+    csa = dict(topk=128, page=256, extra_topk=512, extra_page=64)
+    return [
+        CaseSpec("sched b3 DSA (shares end mid-query)", b=3, s_q=1, h_q=64, topk=2048, page=64, seed=500),
+        CaseSpec("sched b1 h128 long (one query over every SM)", b=1, s_q=1, h_q=128, topk=16384, page=64,
+                 seed=501),
+        CaseSpec("sched b74 s_q2 CSA", b=74, s_q=2, h_q=64, **csa, seed=502),
+        CaseSpec("sched b148 h128 HCA lengths", b=148, s_q=1, h_q=128, topk=128, page=256, extra_topk=1024,
+                 extra_page=2, lengths=True, seed=503),
+        CaseSpec("sched b257 lengths 0 and full", b=257, s_q=1, h_q=64, topk=512, page=64, lengths="edges",
+                 seed=504),
+        CaseSpec("sched b148 all invalid", b=148, s_q=1, h_q=64, topk=256, page=64, invalid_frac=1.0, seed=505),
+        CaseSpec("sched both caches P2 s_q2 lengths", b=9, s_q=2, h_q=64, topk=128, page=2, extra_topk=256,
+                 extra_page=2, lengths=True, empty_query=True, seed=506),
+        CaseSpec("sched b5 s_q2 h128 strided q and indices", b=5, s_q=2, h_q=128, **csa, lengths=True,
+                 strided=True, seed=507),
+        CaseSpec("sched b33 s_q2 h16 CSA", b=33, s_q=2, h_q=16, **csa, seed=508),
+    ]
 
 
 def benchmark_cases(pool_bytes: float = 5e8) -> list[CaseSpec]:
