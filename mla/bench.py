@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from triton.compiler import CompiledKernel
 
 from . import api, configs, dispatch
 from .kernels import combine, tl_dot
@@ -53,6 +54,7 @@ class Shape:
     page: int
     extra_topk: int = 0
     extra_page: int = 64
+    lengths: bool = False          # topk_length (and extra_topk_length with an extra cache) given
 
     @property
     def topk_total(self) -> int:
@@ -124,27 +126,47 @@ def random_indices(b, s_q, topk, n_tokens, device, generator=None) -> torch.Tens
 class Case:
     """Inputs of one shape over pools far larger than L2, with several index sets."""
 
-    def __init__(self, s: Shape, device, pool_bytes: float = 2e9, n_sets: int = 16, seed: int = 0):
+    def __init__(self, s: Shape, device, pool_bytes: float = 2e9, n_sets: int = 16, seed: int = 0, pools=None):
         g = torch.Generator(device=device).manual_seed(seed)
         self.shape = s
-        nb = max(1, int(pool_bytes // page_stride(s.page)))
-        self.cache = random_cache(nb, s.page, device, g)
+        self.cache = self._pool(pools, s.page, pool_bytes, device, g)
         self.q = torch.randn(s.b, s.s_q, s.h_q, D_QK, device=device, generator=g).bfloat16()
         self.sink = torch.randn(s.h_q, device=device, generator=g)
-        n = nb * s.page
+        n = self.cache.shape[0] * s.page
         self.index_sets = [random_indices(s.b, s.s_q, s.topk, n, device, g) for _ in range(n_sets)]
         self.extra = None
         self.extra_sets = [None] * n_sets
+        self.lengths = self.extra_lengths = None
         if s.extra_topk:
-            enb = max(1, int(pool_bytes // 2 // page_stride(s.extra_page)))
-            self.extra = random_cache(enb, s.extra_page, device, g)
-            self.extra_sets = [random_indices(s.b, s.s_q, s.extra_topk, enb * s.extra_page, device, g)
+            self.extra = self._pool(pools, s.extra_page, pool_bytes / 2, device, g)
+            self.extra_sets = [random_indices(s.b, s.s_q, s.extra_topk, self.extra.shape[0] * s.extra_page, device, g)
                                for _ in range(n_sets)]
+        if s.lengths:               # each batch row's valid prefix, uniform in [1, topk]
+            self.lengths = torch.randint(1, s.topk + 1, (s.b,), dtype=torch.int32, device=device, generator=g)
+            if s.extra_topk:
+                self.extra_lengths = torch.randint(1, s.extra_topk + 1, (s.b,), dtype=torch.int32, device=device,
+                                                   generator=g)
+
+    @staticmethod
+    def _pool(pools, page, pool_bytes, device, g):
+        """A cache of ``pool_bytes`` at this page size, taken from ``pools`` (a dict a sweep keeps,
+        keyed by page size and bytes) when it holds one."""
+        key = (page, int(pool_bytes))
+        if pools is not None and key in pools:
+            return pools[key]
+        cache = random_cache(max(1, int(pool_bytes // page_stride(page))), page, device, g)
+        if pools is not None:
+            pools[key] = cache
+        return cache
 
     def kwargs(self, i: int = 0) -> dict:
         kw = dict(attn_sink=self.sink)
+        if self.lengths is not None:
+            kw["topk_length"] = self.lengths
         if self.extra is not None:
             kw.update(extra_k_cache=self.extra, extra_indices=self.extra_sets[i])
+            if self.extra_lengths is not None:
+                kw["extra_topk_length"] = self.extra_lengths
         return kw
 
     def call(self, fn, i: int = 0):
@@ -174,9 +196,15 @@ class Case:
             if flash_mla is None:
                 raise RuntimeError("impl 'flashmla': the flash_mla extension does not import here")
             meta, _ = flash_mla.get_mla_metadata()
+            q, sink = self.q, self.sink
+            if self.shape.h_q < FLASHMLA_HEADS[0]:        # padded to 64 heads, as a server would
+                pad = FLASHMLA_HEADS[0] - self.shape.h_q
+                q = torch.nn.functional.pad(q, (0, 0, 0, pad))
+                sink = torch.nn.functional.pad(sink, (0, pad))
             return lambda i: flash_mla.flash_mla_with_kvcache(
-                self.q, self.cache, None, None, D_QK, meta, is_fp8_kvcache=True, indices=self.index_sets[i],
-                attn_sink=self.sink, extra_k_cache=self.extra, extra_indices_in_kvcache=self.extra_sets[i])
+                q, self.cache, None, None, D_QK, meta, is_fp8_kvcache=True, indices=self.index_sets[i],
+                attn_sink=sink, extra_k_cache=self.extra, extra_indices_in_kvcache=self.extra_sets[i],
+                topk_length=self.lengths, extra_topk_length=self.extra_lengths)
         return lambda i: api.sparse_decode(self.q, self.cache, self.index_sets[i], **self.kwargs(i), impl=impl)
 
 
@@ -332,7 +360,7 @@ def record(s: Shape, impl: str, us_graph: float, us_do_bench: float | None, ceil
         return None if x is None else round(x, 2)
 
     return {"shape": s.name, "b": s.b, "s_q": s.s_q, "h_q": s.h_q, "topk": s.topk, "extra_topk": s.extra_topk,
-            "page": s.page, "extra_page": s.extra_page if s.extra_topk else None, "impl": impl,
+            "page": s.page, "extra_page": s.extra_page if s.extra_topk else None, "lengths": s.lengths, "impl": impl,
             "us_graph": round(us_graph, 2), "us_do_bench": us(us_do_bench), "us_eager_loop": us(us_eager_loop),
             "tflops": round(flops(s) / t / 1e12, 2), "gbps": round(traffic_bytes(s) / t / 1e9, 1),
             "roofline": round(floor / t, 4)}
@@ -417,9 +445,9 @@ def run(shapes=None, impls=None, out_dir="results", name="bench", pool_bytes=2e9
             rec = record(s, i, statistics.median(runs[i]), time_do_bench(case, calls[i]) if eager and fast else None,
                          ceil, time_eager_loop(case, calls[i]) if eager and fast else None)
             plan = getattr(calls[i], "plan", None)
-            if plan is not None:                               # which kernel and form ran, and the splits
+            if plan is not None:                               # which kernel and form ran, on which schedule
                 rec["kernel"] = plan.launch.config.label
-                rec["splits"] = plan.launch.splits
+                rec["programs"], rec["share"] = plan.launch.programs, plan.launch.share
             if i == "mma" and eager:
                 rec["us_eager_loop_unplanned"] = round(time_eager_loop(case, case.caller("mma-unplanned")), 2)
             if len(runs[i]) > 1:
@@ -447,15 +475,170 @@ def run(shapes=None, impls=None, out_dir="results", name="bench", pool_bytes=2e9
 
 
 # --------------------------------------------------------------------------------------------
+# The sweep: FlashMLA beside mla over the shapes a server sends
+# --------------------------------------------------------------------------------------------
+
+#: the sweep's cache configs (issue "Fast at every shape a server sends"): DeepSeek's DSA, V4's
+#: compressed (CSA) and heavily compressed (HCA-like) layers with their extra cache, and a long
+#: top-k; HCA and long give ``topk_length`` (HCA also ``extra_topk_length``)
+SWEEP_CONFIGS = {
+    "DSA": dict(topk=2048, page=64),
+    "CSA": dict(topk=128, page=256, extra_topk=512, extra_page=64),
+    "HCA": dict(topk=128, page=256, extra_topk=1024, extra_page=2, lengths=True),
+    "long": dict(topk=16384, page=64, lengths=True),
+}
+SWEEP_B = (1, 2, 8, 32, 64, 74, 128, 148, 256)
+#: the long config's largest batch: b 256 at s_q 2 would gather 8.4M tokens a call
+SWEEP_LONG_MAX_B = 148
+SWEEP_IMPLS = ("mma", "tl_dot", "flashmla")
+
+
+def sweep_shapes() -> list[Shape]:
+    """The sweep's points, h_q 64 and 128 first (every config, s_q 1 and 2), then h_q 8, 16 and
+    32 at the CSA config (FlashMLA padded to 64 heads there)."""
+    out = []
+    for h_q in (64, 128):
+        for s_q in (1, 2):
+            for name, cfg in SWEEP_CONFIGS.items():
+                out += [Shape(f"sweep {name}", b, s_q, h_q, **cfg) for b in SWEEP_B
+                        if name != "long" or b <= SWEEP_LONG_MAX_B]
+    for h_q in (8, 16, 32):
+        for s_q in (1, 2):
+            out += [Shape("sweep CSA", b, s_q, h_q, **SWEEP_CONFIGS["CSA"]) for b in SWEEP_B]
+    return out
+
+
+def _sweep_key(r: dict) -> tuple:
+    return (r["shape"], r["b"], r["s_q"], r["h_q"], r["impl"])
+
+
+def sweep(shapes=None, impls=SWEEP_IMPLS, out_dir="results", name="sweep", budget_s: float = 540.0,
+          pool_bytes: float = 1e9, n_sets: int = 8, progress=True) -> dict:
+    """Time ``impls`` at the sweep's points (:func:`sweep_shapes`) in one process, FlashMLA beside
+    ``mla`` on the same inputs, and merge them into ``<out_dir>/<gpu-slug>/<name>.json``. Points
+    already in the file are skipped, and no new point starts after ``budget_s`` seconds, so
+    that the sweep runs in parts that each fit one device call: run it again until
+    ``remaining`` is 0. Each part's provenance is kept under ``parts``; each record names its
+    part. Caches are shared between the points of a page size (pools of ``pool_bytes``, far
+    larger than the L2); each point has ``n_sets`` index sets in its graph. ``mma`` and
+    ``flashmla`` also get the eager loop (:func:`time_eager_loop`)."""
+    t0 = time.time()
+    if _interpreting():
+        raise RuntimeError(_refusal())
+    if not torch.cuda.is_available():
+        raise RuntimeError("mla.bench: no CUDA GPU found")
+    impls = tuple(i for i in impls if i != "flashmla" or flash_mla is not None)
+    dev = torch.device("cuda")
+    ceil = ceilings(dev)
+    prov = provenance(ceil)
+    path = pathlib.Path(out_dir) / gpu_slug(prov["gpu"]) / f"{name}.json"
+    doc = json.loads(path.read_text()) if path.exists() else {"parts": [], "records": []}
+    part = len(doc["parts"])
+    done = {_sweep_key(r) for r in doc["records"]}
+    todo = [(s, [i for i in impls if (s.name, s.b, s.s_q, s.h_q, i) not in done])
+            for s in (sweep_shapes() if shapes is None else shapes)]
+    todo = [(s, i) for s, i in todo if i]
+    pools = {}
+    bar = _progress_bar(len(todo), progress)
+    timed = 0
+    doc["parts"].append({**prov, "points": 0})
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():             # after every point: a part cut short keeps what it timed
+        doc["parts"][-1].update(points=timed, seconds=round(time.time() - t0, 1))
+        doc["provenance"] = doc["parts"][0] | {"parts": len(doc["parts"])}
+        doc["remaining"] = len(todo) - timed
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+
+    for s, here in todo:
+        if time.time() - t0 > budget_s:
+            break
+        case = Case(s, dev, pool_bytes=pool_bytes, n_sets=n_sets, pools=pools)
+        for i in here:
+            call = case.caller(i)
+            eager = time_eager_loop(case, call) if i in ("mma", "flashmla") else None
+            rec = record(s, i, time_graph(case, call), None, ceil, eager)
+            rec["part"] = part
+            if i == "flashmla" and s.h_q < FLASHMLA_HEADS[0]:
+                rec["padded_to"] = FLASHMLA_HEADS[0]
+            plan = getattr(call, "plan", None)
+            if plan is not None:
+                rec["kernel"] = plan.launch.config.label
+                rec["programs"], rec["share"] = plan.launch.programs, plan.launch.share
+            doc["records"].append(rec)
+        timed += 1
+        save()
+        bar.update(1)
+        del case
+    bar.close()
+    save()
+    doc["path"] = str(path)
+    return doc
+
+
+def sweep_ratios(doc: dict, impl: str = "mma") -> list[dict]:
+    """Per sweep point, ``impl``'s CUDA-graph time over FlashMLA's (padded where h_q < 64)."""
+    by = {_sweep_key(r): r for r in doc["records"]}
+    out = []
+    for (shape, b, s_q, h_q, i), r in by.items():
+        f = by.get((shape, b, s_q, h_q, "flashmla"))
+        if i == impl and f is not None:
+            out.append({"config": shape.removeprefix("sweep "), "b": b, "s_q": s_q, "h_q": h_q,
+                        "us": r["us_graph"], "us_flashmla": f["us_graph"], "ratio": r["us_graph"] / f["us_graph"],
+                        "eager": r.get("us_eager_loop"), "eager_flashmla": f.get("us_eager_loop"),
+                        "kernel": r.get("kernel")})
+    return out
+
+
+def sweep_summary(doc: dict, impl: str = "mma") -> dict:
+    """{h_q: (points, geometric mean ratio, worst ratio)} of :func:`sweep_ratios`."""
+    rows = sweep_ratios(doc, impl)
+    out = {}
+    for h in sorted({r["h_q"] for r in rows}):
+        xs = [r["ratio"] for r in rows if r["h_q"] == h]
+        out[h] = (len(xs), math.exp(sum(map(math.log, xs)) / len(xs)), max(xs))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
 # The host's share of a call: Python before the launches, with the launches stubbed
 # --------------------------------------------------------------------------------------------
 
 
-class _NoLaunch:
-    """Stands for a kernel: ``kernel[grid](...)`` does nothing."""
+class _NoCLauncher:
+    """Stands for a compiled kernel's C launcher: ``launch(...)`` does nothing."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid = launch_pdl = False
+
+    @staticmethod
+    def launch(*args):
+        return None
+
+
+class _NoCompiled(CompiledKernel):
+    """Stands for a compiled kernel whose launches do nothing, so that a plan's calls take the
+    direct launch (:class:`mla.dispatch.BoundLaunch`) as they do on a GPU."""
+
+    module = None                   # CompiledKernel.__del__ unloads a module when it has one
+    function, packed_metadata = 0, (8, 1, 0)
+
+    def __init__(self):
+        self._run = _NoCLauncher()
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: None
+
+
+class _NoLaunch:
+    """Stands for a kernel: ``kernel[grid](...)`` does nothing and returns a compiled kernel
+    whose launches do nothing."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: _NoCompiled()
 
 
 @contextlib.contextmanager
@@ -469,8 +652,8 @@ def _stubbed_launches(h200: bool):
     saved = [(m, n, getattr(m, n)) for m, n in saved]
     facts = dispatch._facts
     try:
-        for m, n, _ in saved:
-            setattr(m, n, _NoLaunch())
+        for m, n, k in saved:
+            setattr(m, n, _NoLaunch(k.fn))
         if h200:
             table = configs.table_for("NVIDIA H200", "3.6", 90)[1]
             dispatch._facts = lambda device: (132, table, dispatch.gluon_sm90 is not None, True)
@@ -503,7 +686,7 @@ def host_cost(shapes=None, calls: int = 2000, reps: int = 5, h200: bool = True, 
             plan = api.plan(q, cache, idx, **kw, impl="mma")
             variants = {"with a plan": lambda: api.sparse_decode(q, cache, idx, **kw, plan=plan, out=out, lse=lse),
                         "without a plan": lambda: api.sparse_decode(q, cache, idx, **kw, impl="mma")}
-            row = {"shape": s.name, "b": s.b, "launch": f"{plan.launch.config.label}, {plan.launch.splits} split(s)"}
+            row = {"shape": s.name, "b": s.b, "launch": plan.launch.label}
             for what, f in variants.items():
                 f()
                 times = []
@@ -654,10 +837,10 @@ def writer_bandwidth(rows=(64, 8192), pool_blocks: int = 4096, page: int = 64, r
 
 
 def predicted_variants(shape_names=None, batches=range(1, 257), h200: bool = True) -> dict:
-    """{shape name: the decode-kernel variants (config label, split or not) that a sweep of
-    ``batches`` launches}, from the launch rule alone (as on an H200 with ``h200``). Each is one
-    compile (the split count is not specialised on; the caches' strides and sizes are fixed per
-    serving pool), plus one of the combine when any is split."""
+    """{shape name: the decode-kernel variants (config label, whether the combine runs) that a
+    sweep of ``batches`` launches}, from the launch rule alone (as on an H200 with ``h200``). Each
+    config is one compile (the schedule is not specialised on; the caches' strides and sizes are
+    fixed per serving pool), plus one of the combine when any call combines."""
     names = shape_names or sorted({s.name for s in spec_shapes() if s.s_q == 1})
     if h200:
         table = configs.table_for("NVIDIA H200", "3.6", 90)[1]
@@ -668,11 +851,14 @@ def predicted_variants(shape_names=None, batches=range(1, 257), h200: bool = Tru
         seen = set()
         for b in batches:
             if h200:
-                cfg, splits = dispatch.decide(facts[1], facts[2], facts[0], b, s0.s_q, s0.h_q, s0.topk_total, 16)
+                cfg, programs, share = dispatch.decide(facts[1], facts[2], facts[0], b, s0.s_q, s0.h_q, s0.topk,
+                                                       s0.extra_topk, 16)
+                launch = dispatch.Launch(cfg, programs, share)
+                combine_ = dispatch.needs_combine(launch, s0.topk, s0.extra_topk, False)
             else:
                 launch = dispatch.plan_launch(torch.device("cuda"), b, s0.s_q, s0.h_q, s0.topk, s0.extra_topk, 16)
-                cfg, splits = launch.config, launch.splits
-            seen.add((cfg.label, splits > 1))
+                cfg, combine_ = launch.config, launch.combine
+            seen.add((cfg.label, combine_))
         out[name] = sorted(seen)
     return out
 
@@ -770,6 +956,11 @@ def main(argv=None) -> int:
     ap.add_argument("--compiles", action="store_true",
                     help="only count the kernels a sweep of b = 1..256 compiles at each shape: predicted from the launch "
                          "rule (as on an H200), and measured on this GPU when there is one")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time mma, tl_dot and FlashMLA over the sweep's grid into <out>/<gpu-slug>/sweep.json, "
+                         "in parts: points already there are skipped and none starts after --budget-s; run it "
+                         "again until it reports 0 remaining")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="the sweep's seconds per part (default 540)")
     ap.add_argument("--host", action="store_true",
                     help="only measure the Python per call before the launches (launches stubbed, the launch "
                          "rule planning as on an H200), with a plan and without one; needs no GPU")
@@ -791,6 +982,18 @@ def main(argv=None) -> int:
         if torch.cuda.is_available() and not _interpreting():
             for name, n in count_compiles(a.shape).items():
                 print(f"{name}: {n} kernels compiled over b = 1..256 on {torch.cuda.get_device_name()} (measured)")
+        return 0
+    if a.sweep:
+        try:
+            doc = sweep(impls=tuple(a.impl) if a.impl else SWEEP_IMPLS, out_dir=a.out, budget_s=a.budget_s,
+                        progress=not a.no_progress)
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
+            return 2
+        for impl in ("mma", "tl_dot"):
+            for h, (n, gm, worst) in sweep_summary(doc, impl).items():
+                print(f"{impl} h_q {h}: {n} points, geometric mean {gm:.2f}x FlashMLA, worst {worst:.2f}x")
+        print(f"wrote {doc['path']} ({doc['remaining']} points remaining)")
         return 0
     if a.host:
         shapes = [s for s in spec_shapes() if (not a.shape or s.name in a.shape) and (not a.b or s.b in a.b)]
