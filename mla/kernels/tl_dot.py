@@ -124,7 +124,7 @@ def _store_piece(o0, o1, m_i, l_i, heads, hmask, q, split, slot, half, out_ptr, 
         tl.store(lse_ptr + (b * h_q + heads) * s_q + (q - b * s_q), tl.where(empty, float("inf"), lse), mask=lmask)
 
 
-@triton.jit(do_not_specialize=["n_q", "s_q", "h_q", "share", "num_programs"])  # one variant for every grid
+@triton.jit(do_not_specialize=["share", "num_programs"])  # one variant for every schedule
 def tl_dot_decode_kernel(
     q_ptr, q_sb, q_ss, q_sh, out_ptr, lse_ptr, sink_ptr, sink_stride, po_ptr, plse_ptr, rec_ptr,
     kc_ptr, kc_stride, kc_P, kc_n, idx_ptr, idx_sb, idx_ss, topk, len_ptr, len_stride,
