@@ -13,12 +13,9 @@ import triton.language as tl
 
 from .common import DIM, LN2, finish_softmax, sink_factor, to_bf16
 
-#: heads per program and warps of the combine's launch: one head per program per query row in
-#: the uniform split; eight in the work list, whose grid has a row per share, most of which
-#: hold no split query and return at once (a row per head there costs more in empty programs
-#: than the merge itself)
+#: heads per program and warps of the combine's launch (eight heads a program in the work
+#: list's grid was tried and rejected: results/h200/mma_versions.json, "combine 8 heads")
 BLOCK_HC = 1
-BLOCK_HC_FLAT = 8
 NUM_WARPS = 4
 
 
@@ -85,6 +82,5 @@ def combine_kernel(po_ptr, plse_ptr, rec_ptr, out_ptr, lse_ptr, sink_ptr, sink_s
 def launch_params(programs: int, h_q: int, has_sink: bool, flat: bool) -> tuple:
     """(grid, constexpr and launch keywords) of the combine: one program per share of the work
     list (``flat``), or per query row, for every BLOCK_HC heads."""
-    heads = BLOCK_HC_FLAT if flat else BLOCK_HC
-    return (programs, (h_q + heads - 1) // heads), dict(HAS_SINK=has_sink, BLOCK_HC=heads, FLAT=int(flat),
-                                                       num_warps=NUM_WARPS)
+    return (programs, (h_q + BLOCK_HC - 1) // BLOCK_HC), dict(HAS_SINK=has_sink, BLOCK_HC=BLOCK_HC, FLAT=int(flat),
+                                                             num_warps=NUM_WARPS)
