@@ -4,6 +4,7 @@ between two versions. Run once per version (PYTHONPATH picks the package) and co
 
     python experiments/kernel_times.py OUT.json
 """
+import argparse
 import json
 import pathlib
 import sys
@@ -12,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import mla  # noqa: E402,F401  (first: it may turn Triton's interpreter on)
+import mla  # noqa: E402  (first: it may turn Triton's interpreter on)
 import torch  # noqa: E402
 
 from mla import bench  # noqa: E402
@@ -36,7 +37,12 @@ def kernel_us(case, call, calls=32):
     return out
 
 
-def main():
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", help="the JSON file to write")
+    a = ap.parse_args(argv)
+    if mla.INTERPRET:
+        sys.exit("kernel_times: needs a CUDA GPU; here mla runs Triton's CPU interpreter")
     shapes = {(s.name, s.b): s for s in bench.spec_shapes()}
     rows = []
     for key in SHAPES:
@@ -47,7 +53,7 @@ def main():
                          "launch": str(getattr(getattr(call, "plan", None), "launch", ""))[:300]})
             print(rows[-1], flush=True)
         del case
-    pathlib.Path(sys.argv[1]).write_text(json.dumps(rows, indent=1))
+    pathlib.Path(a.out).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
