@@ -1,5 +1,5 @@
 """Dev probe (GPU): the b = 1 shapes (DSA, V4-CSA, V4-TP8) with the portable tl.dot kernel, at
-the split count the launch rule picks (:func:`mla.dispatch.splits_for`) and at a half, a quarter
+the split count the launch rule picks (:func:`mla.dispatch.programs_for`: programs over the work list) and at a half, a quarter
 of it and 4, to see whether the picked count is the fastest. Two configs: the shipped one
 (:func:`mla.configs.lookup`) as the small-grid rule fills it (:func:`mla.dispatch.fill_small_grid`),
 and the same with 32-token tiles, its grid always treated as small. CUDA-graph us per call,
@@ -28,7 +28,7 @@ from mla.bench import Case, Shape  # noqa: E402
 def planned(case, config, splits):
     """``call(i)`` for :func:`mla.bench.time_graph`: the decode with ``config`` and ``splits``
     forced, through one plan made here (as a serving step would)."""
-    plan = mla.plan(case.q, case.cache, case.index_sets[0], **case.kwargs(0), config=config, splits=splits)
+    plan = mla.plan(case.q, case.cache, case.index_sets[0], **case.kwargs(0), config=config, programs=splits)
     return lambda i: mla.sparse_decode(case.q, case.cache, case.index_sets[i], **case.kwargs(i), plan=plan)
 
 
@@ -47,7 +47,8 @@ def main(argv=None):
                 "bn32": dispatch.fill_small_grid(dataclasses.replace(base, block_n=32), s.b, s.s_q, s.h_q,
                                                  s.topk_total, 1 << 20)}
         for name, cfg in cfgs.items():
-            auto = dispatch.splits_for(cfg.for_heads(s.h_q), s.b, s.s_q, s.h_q, s.topk_total, sms)
+            auto = dispatch.programs_for(cfg.for_heads(s.h_q), s.b * s.s_q, s.h_q, s.topk, s.extra_topk, sms,
+                                         False)[0]
             for sp in sorted({auto, max(1, auto // 2), max(1, auto // 4), 4}):
                 us = bench.time_graph(case, planned(case, cfg, sp))
                 out["rows"].append({"shape": s.name, "b": 1, "config": name, "splits": sp, "auto_splits": auto,

@@ -61,7 +61,7 @@ def forced(config=None, splits=None):
     :class:`~mla.configs.TlDotConfig` or :class:`~mla.configs.GluonConfig`; None: the launch
     rule's pick) with ``splits`` (None: the launch rule's count), through a plan made per call."""
     def fn(q, k_cache, indices, **kw):
-        plan = mla.plan(q, k_cache, indices, **kw, config=config, splits=splits)
+        plan = mla.plan(q, k_cache, indices, **kw, config=config, programs=splits)
         return mla.sparse_decode(q, k_cache, indices, **kw, plan=plan)
     return fn
 
@@ -70,7 +70,7 @@ def caller(case, config=None, splits=None):
     """``call(i)`` for :func:`mla.bench.time_graph`: the decode of ``case``'s index set ``i``
     with ``config`` and ``splits`` forced (as :func:`forced`), through one plan made here, as a
     serving step would."""
-    plan = mla.plan(case.q, case.cache, case.index_sets[0], **case.kwargs(0), config=config, splits=splits)
+    plan = mla.plan(case.q, case.cache, case.index_sets[0], **case.kwargs(0), config=config, programs=splits)
     return lambda i: mla.sparse_decode(case.q, case.cache, case.index_sets[i], **case.kwargs(i), plan=plan)
 
 
