@@ -40,9 +40,14 @@ def kernel_us(case, call, calls=32):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="the JSON file to write")
+    ap.add_argument("--producer-regs", type=int, help="the Gluon producer partition's registers (a probe; "
+                    "the shipped value is mla.kernels.gluon_sm90.kernel.PRODUCER_REGS)")
     a = ap.parse_args(argv)
     if mla.INTERPRET:
         sys.exit("kernel_times: needs a CUDA GPU; here mla runs Triton's CPU interpreter")
+    if a.producer_regs:
+        from mla.kernels.gluon_sm90 import kernel as gluon_kernel
+        gluon_kernel.PRODUCER_REGS = a.producer_regs
     shapes = {(s.name, s.b): s for s in bench.spec_shapes()}
     rows = []
     for key in SHAPES:

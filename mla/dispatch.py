@@ -258,13 +258,13 @@ def needs_combine(launch: Launch, topk: int, extra_topk: int, has_lengths: bool)
 def workspace(launch: Launch, b: int, s_q: int, h_q: int, device) -> tuple:
     """The buffers of a call beside its output: the split partials (outputs as fp16, lse in log2
     units; None where no query is split) and, for the flat work list, each share's record for
-    the combine (:func:`mla.kernels.common.write_share_record`)."""
+    the combine and, after them, one per query row (:func:`mla.kernels.common.write_share_record`)."""
     slots = 2 * launch.programs if launch.flat else b * s_q * launch.programs
     po = plse = None
     if launch.combine:
         po = torch.empty(slots, h_q, D_QK, dtype=torch.float16, device=device)
         plse = torch.empty(slots, h_q, dtype=torch.float32, device=device)
-    rec = torch.empty(launch.programs if launch.flat else 1, 3, dtype=torch.int32, device=device)
+    rec = torch.empty(3 * launch.programs + b * s_q if launch.flat else 3, dtype=torch.int32, device=device)
     return po, plse, rec
 
 
@@ -320,8 +320,7 @@ class Launcher:
                     0 if extra_topk_length is None else extra_topk_length.stride(0),
                     b * s_q, s_q, h_q, scale, launch.share, launch.programs]
         self._decode = BoundLaunch(grid, self.kwargs, template, _DECODE_TENSORS, _CACHE_SLOTS, q.device)
-        cgrid, ckw = combine.launch_params(launch.programs if launch.flat else b * s_q, h_q, attn_sink is not None,
-                                           launch.flat)
+        cgrid, ckw = combine.launch_params(launch.programs, b * s_q, h_q, attn_sink is not None, launch.flat)
         ctemplate = [None] * 6 + [0 if attn_sink is None else attn_sink.stride(0), s_q, h_q, launch.programs]
         self._combine = BoundLaunch(cgrid, ckw, ctemplate, _COMBINE_TENSORS, (), q.device)
 

@@ -15,6 +15,7 @@ import mla
 import triton
 import triton.language as tl
 from mla import schedule
+from mla.kernels import combine
 from mla.kernels.common import piece, share_bounds, write_share_record
 from mla.validate import make_case, run_case
 
@@ -104,7 +105,7 @@ def _probe_kernel(len_ptr, elen_ptr, out_ptr, rec_ptr, n_q, s_q, topk, etopk, sh
     share, x0, x1, q0, c, q_end, c_last, u_last = share_bounds(p, n_q, s_q, share, num_programs, topk, len_ptr, 1,
                                                                etopk, elen_ptr, 1, rows, BLOCK_N, UNIT, HAS_LEN,
                                                                HAS_EXTRA, HAS_ELEN)
-    write_share_record(rec_ptr, p, share, x0, x1, q0, q_end, c_last, u_last)
+    write_share_record(rec_ptr, p, share, x0, x1, q0, c, q_end, c_last, u_last, n_q, num_programs)
     k = 0
     for q in range(q0, q_end):
         lo, hi, split, _t1, _n1, _n2, units = piece(q, c, x0, x1, s_q, topk, len_ptr, 1, etopk, elen_ptr, 1, BLOCK_N,
@@ -125,7 +126,7 @@ def _kernel_pieces(b, s_q, topk, etopk, lengths, elengths, programs, share, unit
     lt = torch.tensor(lengths or [0], dtype=torch.int32)
     et = torch.tensor(elengths or [0], dtype=torch.int32)
     out = torch.full((programs, MAX_PIECES, 6), -7, dtype=torch.int32)
-    rec = torch.full((programs, 3), -7, dtype=torch.int32)
+    rec = torch.full((3 * programs + b * s_q,), -7, dtype=torch.int32)
     _probe_kernel[(programs,)](lt, et, out, rec, b * s_q, s_q, topk, etopk, share, programs, BLOCK_N=block_n,
                                UNIT=unit, HAS_LEN=lengths is not None, HAS_EXTRA=etopk > 0,
                                HAS_ELEN=elengths is not None, ROWS=rows, MAX=MAX_PIECES)
@@ -135,7 +136,7 @@ def _kernel_pieces(b, s_q, topk, etopk, lengths, elengths, programs, share, unit
         for r in out[p]:
             if r[0] != -7:
                 units[int(r[0])] = int(r[5])
-    return pieces, rec.tolist(), units
+    return pieces, rec[:3 * programs].view(programs, 3).tolist(), rec[3 * programs:].tolist(), units
 
 
 def _expected_units(b, s_q, topk, etopk, lengths, elengths, unit):
@@ -156,7 +157,9 @@ def _expected_units(b, s_q, topk, etopk, lengths, elengths, unit):
 def test_the_kernels_cut_the_work_list_as_the_host_does(data, b, s_q, topk, etopk, programs, unit, rows):
     """With lengths (each from 0 to past topk, prefix sums taken ``rows`` query rows at a time, or
     in the call of its own) or without (any share size), the probe's pieces are the host's work
-    list, and each program's record names the split query whose first piece it holds."""
+    list, and each program's record names the split query whose first piece it holds; with fewer
+    query rows than programs, each query row's record names the program of its first piece if
+    the query is split, else -1 (and with more, none is written)."""
     lengths = data.draw(st.one_of(st.none(), st.lists(st.integers(-1, topk + 5), min_size=b, max_size=b)))
     elengths = None
     if etopk:
@@ -166,7 +169,7 @@ def test_the_kernels_cut_the_work_list_as_the_host_does(data, b, s_q, topk, etop
     share = 0 if has_len else data.draw(st.integers(0, 2 * max(units)))
     want_share, want = schedule.work_list(units, programs, share)
     grid = programs if share == 0 else math.ceil(sum(units) / want_share)
-    got, rec, got_units = _kernel_pieces(b, s_q, topk, etopk, lengths, elengths, grid, share, unit, rows)
+    got, rec, by_query, got_units = _kernel_pieces(b, s_q, topk, etopk, lengths, elengths, grid, share, unit, rows)
     # the kernels' pieces are in tiles: a unit is UNIT tiles, and the last stops at the query's end
     assert got == [(pc.program, pc.q, pc.lo * unit, min(pc.hi * unit, tiles[pc.q]), int(pc.split), pc.slot)
                    for pc in want]
@@ -180,6 +183,11 @@ def test_the_kernels_cut_the_work_list_as_the_host_does(data, b, s_q, topk, etop
     for q, pc in firsts.items():
         expected[pc.program] = [q, last[q], pc.slot]
     assert rec == expected
+    n_q = b * s_q
+    if n_q < grid:
+        assert by_query == [firsts[q].program if q in firsts else -1 for q in range(n_q)]
+    else:
+        assert by_query == [-7] * n_q
 
 
 # ------------------------------------------------------------------------------------------------
@@ -188,6 +196,8 @@ def test_the_kernels_cut_the_work_list_as_the_host_does(data, b, s_q, topk, etop
 
 SCHEDULE_CASES = {
     "b3, a share ending mid-query": (dict(b=3, s_q=1, h_q=4, topk=70, page=16), 4),
+    "b1 s_q2, lengths, fewer rows than shares": (dict(b=1, s_q=2, h_q=3, topk=90, page=8, extra_topk=20,
+                                                      lengths=True), 5),
     "b74 s_q2, one tile each": (dict(b=74, s_q=2, h_q=2, topk=9, page=8, sink_inf=False), None),
     "b257, lengths 0 and full": (dict(b=257, s_q=1, h_q=1, topk=20, page=4, lengths=True), None),
     "b148, all invalid": (dict(b=148, s_q=1, h_q=2, topk=17, page=16, invalid_frac=1.0), 7),
@@ -207,6 +217,19 @@ def test_the_decode_holds_on_the_schedules_edge_cases(name, device):
     plan = mla.plan(**case, impl="mma", programs=programs)
     out_ok, lse_ok = run_case(functools.partial(mla.sparse_decode, plan=plan), case)
     assert out_ok.ok and lse_ok.ok, f"{plan}: {out_ok} | {lse_ok}"
+
+
+@pytest.mark.parametrize("name", ["b3, a share ending mid-query", "b1 s_q2, lengths, fewer rows than shares",
+                                  "both caches at P 2, lengths"])
+def test_the_combine_runs_a_program_per_row_where_rows_are_fewer_than_shares(name):
+    """Fewer query rows than shares: a combine program per query row, which finds its pieces
+    through the row's record; else a program per share (most of them empty at small b)."""
+    kw, programs = SCHEDULE_CASES[name]
+    n_q = kw["b"] * kw["s_q"]
+    grid, meta = combine.launch_params(programs, n_q, kw["h_q"], True, True)
+    assert meta["BY_QUERY"] == (n_q < programs)
+    assert grid == ((n_q if n_q < programs else programs), kw["h_q"])
+    assert combine.launch_params(programs, n_q, kw["h_q"], True, False)[0][0] == n_q    # uniform splits
 
 
 @pytest.fixture

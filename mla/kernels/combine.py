@@ -30,14 +30,23 @@ def _slot(i, first_slot, p, FLAT: tl.constexpr):
 
 @triton.jit(do_not_specialize=["s_q", "h_q", "num_splits"])
 def combine_kernel(po_ptr, plse_ptr, rec_ptr, out_ptr, lse_ptr, sink_ptr, sink_stride, s_q, h_q, num_splits,
-                   HAS_SINK: tl.constexpr, BLOCK_HC: tl.constexpr, FLAT: tl.constexpr):
-    """Merge the partials of one split query for BLOCK_HC heads; apply the sink. FLAT: program
-    ``p`` takes the split query whose first piece share ``p`` holds (its record, written by the
-    decode: none, and the program returns, where share ``p`` starts no split query); else program
-    ``q`` takes query row ``q``'s ``num_splits`` pieces."""
+                   HAS_SINK: tl.constexpr, BLOCK_HC: tl.constexpr, FLAT: tl.constexpr, BY_QUERY: tl.constexpr = 0):
+    """Merge the partials of one split query for BLOCK_HC heads; apply the sink. FLAT (the work
+    list of ``num_splits`` shares): program ``p`` takes the split query whose first piece share
+    ``p`` holds (its record, written by the decode: none, and the program returns, where share
+    ``p`` starts no split query); with BY_QUERY, program ``q`` takes query row ``q`` if it is
+    split, through the program of its first piece that the decode wrote for it. Else program
+    ``q`` takes query row ``q``'s ``num_splits`` uniform pieces."""
     p = tl.program_id(0)
     hb = tl.program_id(1)
-    if FLAT:
+    if BY_QUERY:
+        start = tl.load(rec_ptr + 3 * num_splits + p)
+        first = tl.maximum(start, 0)
+        tok = tl.where(start >= 0, p, -1)
+        n_pieces = tl.load(rec_ptr + 3 * first + 1) - first + 1
+        first_slot = tl.load(rec_ptr + 3 * first + 2)
+        base_slot = first
+    elif FLAT:
         tok = tl.load(rec_ptr + 3 * p)
         n_pieces = tl.load(rec_ptr + 3 * p + 1) - p + 1
         first_slot = tl.load(rec_ptr + 3 * p + 2)
@@ -79,8 +88,12 @@ def combine_kernel(po_ptr, plse_ptr, rec_ptr, out_ptr, lse_ptr, sink_ptr, sink_s
         tl.store(lse_ptr + (b * h_q + heads) * s_q + s_idx, tl.where(empty, float("inf"), lse), mask=hmask)
 
 
-def launch_params(programs: int, h_q: int, has_sink: bool, flat: bool) -> tuple:
-    """(grid, constexpr and launch keywords) of the combine: one program per share of the work
-    list (``flat``), or per query row, for every BLOCK_HC heads."""
-    return (programs, (h_q + BLOCK_HC - 1) // BLOCK_HC), dict(HAS_SINK=has_sink, BLOCK_HC=BLOCK_HC, FLAT=int(flat),
-                                                             num_warps=NUM_WARPS)
+def launch_params(programs: int, n_q: int, h_q: int, has_sink: bool, flat: bool) -> tuple:
+    """(grid, constexpr and launch keywords) of the combine for every BLOCK_HC heads: for the work
+    list (``flat``) of ``programs`` shares, a program per share, or per query row where there are
+    fewer query rows than shares (most shares then start no split query, and an empty program
+    costs more than the lookup); for uniform splits, a program per query row."""
+    by_query = flat and n_q < programs
+    rows = programs if flat and not by_query else n_q
+    return (rows, (h_q + BLOCK_HC - 1) // BLOCK_HC), dict(HAS_SINK=has_sink, BLOCK_HC=BLOCK_HC, FLAT=int(flat),
+                                                         BY_QUERY=int(by_query), num_warps=NUM_WARPS)

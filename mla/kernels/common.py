@@ -258,15 +258,21 @@ def piece(q, c, x0, x1, s_q, topk, len_ptr, len_stride, etopk, elen_ptr, elen_st
 
 
 @triton.jit
-def write_share_record(rec_ptr, p, share, x0, x1, q0, q_end, c_last, u_last):
+def write_share_record(rec_ptr, p, share, x0, x1, q0, c0, q_end, c_last, u_last, n_q, num_programs):
     """What the combine needs of program ``p``'s share: when its last query starts in it and goes
     on past its end (the one split query whose first piece it holds), (that query, the last
-    program holding a piece of it, the slot of this first piece); else (-1, 0, 0)."""
+    program holding a piece of it, the slot of this first piece); else (-1, 0, 0). Where there
+    are fewer query rows than programs the combine runs a program per query row
+    (:func:`mla.kernels.combine.launch_params`): then the share also writes, after the programs'
+    records, each query starting in it: the program of its first piece if it is split, else -1."""
     starts_here = (x0 < x1) & (c_last >= x0) & (c_last + u_last > x1)
     q = q_end - 1
     tl.store(rec_ptr + 3 * p, tl.where(starts_here, q, -1))
     tl.store(rec_ptr + 3 * p + 1, tl.where(starts_here, (c_last + u_last - 1) // tl.maximum(share, 1), 0))
     tl.store(rec_ptr + 3 * p + 2, tl.where(starts_here, 2 * p + (q != q0).to(tl.int32), 0))
+    if (n_q < num_programs) & (x0 < x1):
+        for qs in range(q0 + (c0 < x0).to(tl.int32), q_end):
+            tl.store(rec_ptr + 3 * num_programs + qs, tl.where(starts_here & (qs == q), p, -1))
 
 
 @triton.jit
