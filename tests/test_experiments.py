@@ -14,7 +14,7 @@ from conftest import DEVICE
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXPERIMENTS = ROOT / "experiments"
 #: modules that other code imports (tests, notebooks), not scripts: no ``__main__``, no ``--help``
-LIBRARIES = ("broken_decodes", "autotune_demos")
+LIBRARIES = ("broken_decodes", "autotune_demos", "autotune_mla")
 SCRIPTS = sorted(p.stem for p in EXPERIMENTS.glob("*.py") if p.stem != "__init__" and p.stem not in LIBRARIES)
 
 
