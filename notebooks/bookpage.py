@@ -28,7 +28,10 @@ if str(ROOT) not in sys.path:          # experiments/ (not packaged) imports fro
 with contextlib.redirect_stdout(io.StringIO()) as _import_note:
     import mla  # noqa: E402  (before triton: with no GPU it turns Triton's interpreter on)
 
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+from matplotlib.colors import TwoSlopeNorm  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 from IPython.display import Markdown, display  # noqa: E402
@@ -238,3 +241,118 @@ def verdicts(rows, title, failures_first=True):
 
 
 __all__.append("verdicts")
+
+
+# --------------------------------------------------------------------------------------------
+# The sweep against FlashMLA (results/h200/sweep.json): one table and one picture, used by the
+# chapters of both kernels
+# --------------------------------------------------------------------------------------------
+
+#: the sweep's cache configs, in the order the heatmap's rows take them, and how the page names them
+SWEEP_CONFIG_NAMES = {"DSA": "DSA", "CSA": "CSA", "HCA": "HCA-like", "long": "long"}
+
+
+def sweep_ratios(impl: str = "mma", doc: dict | None = None):
+    """The sweep's points as a table, one row per (config, b, s_q, h_q) where ``impl`` and
+    FlashMLA were both timed (in the same run): ``impl``'s CUDA-graph time per call over
+    FlashMLA's. ``padded`` is the record's own word (FlashMLA's row has ``padded_to``): FlashMLA
+    runs 64 or 128 heads only, so at fewer heads its time is the padded 64-head one. ``doc`` is
+    a sweep record (default ``results/h200/sweep.json``). Also kept: the eager loops (``mma`` and
+    FlashMLA have them), the kernel form and the programs the launch rule picked."""
+    doc = load("sweep.json") if doc is None else doc
+    key = ("shape", "b", "s_q", "h_q")
+    fm = {tuple(r[k] for k in key): r for r in doc["records"] if r["impl"] == "flashmla"}
+    rows = []
+    for r in doc["records"]:
+        f = fm.get(tuple(r[k] for k in key))
+        if r["impl"] != impl or f is None:
+            continue
+        config = r["shape"].removeprefix("sweep ")
+        padded = f.get("padded_to") is not None
+        assert padded == (r["h_q"] < bench.FLASHMLA_HEADS[0]), (r, f)     # padded exactly below 64 heads
+        rows.append({"config": SWEEP_CONFIG_NAMES.get(config, config), "b": r["b"], "s_q": r["s_q"],
+                     "h_q": r["h_q"], "lengths": bool(r.get("lengths")), "ours us": r["us_graph"],
+                     "FlashMLA us": f["us_graph"], "ratio": r["us_graph"] / f["us_graph"], "padded": padded,
+                     "ours eager us": r.get("us_eager_loop"), "FlashMLA eager us": f.get("us_eager_loop"),
+                     "kernel": r.get("kernel"), "programs": r.get("programs")})
+    return pd.DataFrame(rows)
+
+
+def _heat_panel(ax, grid, rows, cols, norm, cmap, title, fontsize=8):
+    """One panel: ``grid`` a DataFrame of ratios (rows x cols, NaN where not measured), each
+    cell coloured and annotated."""
+    values = grid.reindex(index=rows, columns=cols).to_numpy(dtype=float)
+    image = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, norm=norm, aspect="auto")
+    for i in range(values.shape[0]):
+        for j in range(values.shape[1]):
+            v = values[i, j]
+            if math.isnan(v):
+                continue
+            dark = abs(norm(v) - 0.5) > 0.3
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=fontsize,
+                    color="white" if dark else "black")
+    ax.set_xticks(range(len(cols)), [str(c) for c in cols], fontsize=8.5)
+    ax.set_yticks(range(len(rows)), [str(r) for r in rows], fontsize=8.5)
+    ax.set_xticks([x - 0.5 for x in range(1, len(cols))], minor=True)
+    ax.set_yticks([y - 0.5 for y in range(1, len(rows))], minor=True)
+    ax.grid(which="minor", color="white", lw=1.5)
+    ax.tick_params(which="minor", length=0)
+    ax.set_facecolor("0.93")                  # blank: not measured
+    ax.set_title(title, fontsize=10)
+    return image
+
+
+def sweep_heatmap(impl: str = "mma", doc: dict | None = None, padded: bool = True, title: str | None = None):
+    """The sweep as a picture: ``impl``'s time over FlashMLA's (:func:`sweep_ratios`) as a heatmap
+    of b (columns) by cache config (rows), one panel per (h_q, s_q) for h_q 64 and 128 and s_q 1
+    and 2, blank where a point was not measured; a diverging colour map centred at 1.0, every cell
+    annotated with its ratio. With ``padded``, a panel below holds the points at fewer heads, rows
+    (h_q, s_q), against FlashMLA's padded 64-head time. Returns the figure (the cell shows it)."""
+    df = sweep_ratios(impl, doc)
+    assert len(df), f"no sweep point has both {impl} and FlashMLA"
+    cols = [b for b in bench.SWEEP_B if b in set(df.b)] + sorted(set(df.b) - set(bench.SWEEP_B))
+    configs = [n for n in SWEEP_CONFIG_NAMES.values() if n in set(df.config)]
+    configs += sorted(set(df.config) - set(configs))
+    full = df[~df.padded]
+    low = df[df.padded] if padded else df.iloc[:0]
+    lo, hi = float(df.ratio.min()), float(df.ratio.max())
+    reach = max(hi, 1 / lo, 1.05)            # as far below 1 as above, as factors: 0.5 as dark as 2
+    norm = TwoSlopeNorm(vcenter=1.0, vmin=1 / reach, vmax=reach)
+    cmap = plt.get_cmap("RdBu_r")
+    panels = sorted(set(zip(full.h_q, full.s_q)))
+    n_rows = math.ceil(len(panels) / 2)
+    heights = [len(configs)] * n_rows + ([len(set(zip(low.h_q, low.s_q))) * 0.9] if len(low) else [])
+    fig = plt.figure(figsize=(11, 1.0 + 0.52 * sum(heights) + 0.75 * len(heights)))
+    gs = fig.add_gridspec(len(heights), 2, height_ratios=heights, hspace=0.55, wspace=0.08, top=0.93,
+                          bottom=0.06)
+    image = None
+    for k, (h_q, s_q) in enumerate(panels):
+        ax = fig.add_subplot(gs[k // 2, k % 2])
+        sub = full[(full.h_q == h_q) & (full.s_q == s_q)]
+        image = _heat_panel(ax, sub.pivot(index="config", columns="b", values="ratio"), configs, cols, norm,
+                            cmap, f"$h_q$ = {h_q}, $s_q$ = {s_q}")
+        if k % 2:
+            ax.tick_params(labelleft=False)
+        else:
+            ax.set_ylabel("cache config", fontsize=9)
+        ax.set_xlabel("batch b (requests)", fontsize=9)
+    if len(low):
+        ax = fig.add_subplot(gs[n_rows, :])
+        low = low.assign(row=[f"$h_q$ = {h}, $s_q$ = {s}" for h, s in zip(low.h_q, low.s_q)])
+        order = [f"$h_q$ = {h}, $s_q$ = {s}" for h, s in sorted(set(zip(low.h_q, low.s_q)))]
+        configs_low = sorted(set(low.config))
+        image = _heat_panel(ax, low.pivot(index="row", columns="b", values="ratio"), order, cols, norm, cmap,
+                            f"fewer heads, {', '.join(configs_low)} config: against FlashMLA's padded "
+                            "64-head time")
+        ax.set_xlabel("batch b (requests)", fontsize=9)
+        ax.set_ylabel("heads, query tokens", fontsize=9)
+    bar = fig.colorbar(image, ax=fig.axes, fraction=0.035, pad=0.02)
+    bar.set_label("time / FlashMLA's time (below 1: faster)", fontsize=9.5)
+    bar.ax.tick_params(labelsize=8.5)
+    gpu = (doc or load("sweep.json"))["provenance"]["gpu"]
+    fig.suptitle(title or f"impl='{impl}' over FlashMLA, CUDA-graph time per call, one run on the {gpu}",
+                 fontsize=11.5)
+    return fig
+
+
+__all__ += ["SWEEP_CONFIG_NAMES", "sweep_ratios", "sweep_heatmap"]

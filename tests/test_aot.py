@@ -1,15 +1,18 @@
 """Ahead-of-time compiles (no GPU needed): every config mla may launch fits its architecture."""
+import dataclasses
 import re
 
 import pytest
 
-from mla import aot, dispatch
+from mla import aot, configs, dispatch
 from mla.configs import GluonConfig, TlDotConfig
 
 
 @pytest.fixture(scope="module")
 def compiled():
     variants = [v for arch in aot.ARCHS for v in aot.shipped_variants(arch)]
+    for v in variants:
+        v["loops"] = v["arch"] != 90          # the other architectures' token-tile loops, from their SASS
     return aot.report(variants)
 
 
@@ -25,6 +28,39 @@ def test_every_shipped_config_compiles_and_fits_shared_memory(compiled):
         assert r["fits"]
         archs.add(r["arch"])
     assert archs == set(aot.ARCHS)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("arch", [a for a in aot.ARCHS if a != 90])
+def test_the_other_architectures_run_their_loop_on_the_tensor_cores_without_spills(compiled, arch):
+    """sm_80, sm_89, sm_100 and sm_120 get the generic table, derived from their limits
+    (:func:`mla.configs.generic`): each shipped config's token-tile loop issues tensor-core
+    instructions and keeps every value in registers (no local-memory load or store in it), and
+    its accumulator share is within the architecture's limit."""
+    rows = [r for r in compiled if r["arch"] == arch]
+    assert len(rows) == len(aot.shipped_tl_dot_configs(arch)) > 0
+    for cfg, r in zip(aot.shipped_tl_dot_configs(arch), rows):
+        assert "error" not in r and r["fits"] and r["usable"], r
+        (loop,) = r["loops"]
+        assert loop["tensor_core"] > 0, (cfg, loop)
+        assert loop["spill_loads"] == 0 and loop["spill_stores"] == 0, (cfg, loop)
+        assert configs.accumulator_regs(cfg) <= configs.ACCUMULATOR_REGS[arch], cfg
+
+
+def test_the_generic_tables_follow_the_register_rule():
+    """The rule, not a copy of the H200's table: the largest head block per bucket whose
+    accumulator share fits the architecture, the whole 512 columns before half of them."""
+    for arch in (80, 89, 100, 120):
+        table = configs.generic(arch)
+        for h, cfg in table.items():
+            assert configs.accumulator_regs(cfg) <= configs.ACCUMULATOR_REGS[arch] and cfg.block_h <= h
+            bigger = dataclasses.replace(cfg, block_h=2 * cfg.block_h) if cfg.block_h < min(h, 64) else None
+            assert bigger is None or configs.accumulator_regs(dataclasses.replace(bigger, dv_halves=2)) \
+                > configs.ACCUMULATOR_REGS[arch]
+    assert configs.generic(80)[64] == TlDotConfig(block_h=16, dv_halves=2)
+    assert configs.generic(120)[64] == TlDotConfig(block_h=32, dv_halves=2)
+    assert configs.generic(90)[64] == TlDotConfig(block_h=64)
 
 
 @pytest.mark.slow

@@ -6,7 +6,12 @@
 - a chapter's prose stays within about 4,500 words (the appendix excepted);
 - run tags, version tags, commit hashes and probe-file names appear only in the appendix;
 - no chapter types a ceiling: bandwidths, matmul rates and the ridge come from
-  ``bookpage.ceilings()`` and are glued into the prose.
+  ``bookpage.ceilings()`` and are glued into the prose;
+- at least 80% of the code cells that glue numbers into the prose fold away (``hide-input``);
+- no page says the record beat FlashMLA at "12 of 12" shapes (it ran at nine of them);
+- chapters 4 and 5 have their pictures (the tile's chain; the tuning cost under two keys);
+- the sweep's shared table and heatmap (``bookpage.sweep_ratios``, ``sweep_heatmap``) read
+  ``results/h200/sweep.json`` as the chapters quote it.
 """
 from __future__ import annotations
 
@@ -15,8 +20,12 @@ import pathlib
 import re
 import sys
 
+import matplotlib
 import nbformat
 import pytest
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
@@ -119,3 +128,45 @@ def test_code_that_names_lab_history_is_folded(path):
              if CODE_LAB_TAGS.search(c.source)
              and not {"hide-input", "remove-input", "remove-cell"} & set(c.metadata.get("tags", []))]
     assert not shown, f"{path.name}: cells that name lab history, not folded: {shown}"
+
+
+def test_the_sweep_helpers_read_the_record():
+    """``bookpage.sweep_ratios``: one row per sweep point where the impl and FlashMLA were both
+    timed, the ratio of the two, padded exactly below 64 heads (FlashMLA's rows say so);
+    ``bookpage.sweep_heatmap``: one panel per (h_q, s_q) at full heads, one for the padded points,
+    and the colour bar."""
+    doc = bookpage.load("sweep.json")
+    fm = {(r["shape"], r["b"], r["s_q"], r["h_q"]): r for r in doc["records"] if r["impl"] == "flashmla"}
+    for impl in ("mma", "tl_dot"):
+        df = bookpage.sweep_ratios(impl, doc)
+        ours = [r for r in doc["records"] if r["impl"] == impl and (r["shape"], r["b"], r["s_q"], r["h_q"]) in fm]
+        assert len(df) == len(ours) > 0
+        assert (df["ratio"] == df["ours us"] / df["FlashMLA us"]).all()
+        assert (df["padded"] == (df["h_q"] < 64)).all()
+        assert set(df["config"]) <= set(bookpage.SWEEP_CONFIG_NAMES.values())
+        fig = bookpage.sweep_heatmap(impl, doc)
+        full = df[~df["padded"]]
+        panels = len(set(zip(full["h_q"], full["s_q"]))) + bool(df["padded"].any())
+        assert len(fig.axes) == panels + 1, [ax.get_title() for ax in fig.axes]
+        plt.close(fig)
+
+
+def test_the_code_that_glues_numbers_folds_away():
+    glue_cells = [c for path in CHAPTERS for c in _cells(path, "code") if "glue(" in c.source]
+    folded = [c for c in glue_cells if "hide-input" in c.metadata.get("tags", [])]
+    assert glue_cells and len(folded) >= 0.8 * len(glue_cells), f"{len(folded)} of {len(glue_cells)} folded"
+
+
+@pytest.mark.parametrize("path", CHAPTERS + APPENDIX + PAGES + [ROOT / "README.md"],
+                         ids=_ids(CHAPTERS + APPENDIX + PAGES) + ["README"])
+def test_no_page_claims_twelve_of_twelve(path):
+    text = path.read_text()
+    assert not re.search(r"\b12 of (the )?12\b", text), f"{path.name} says '12 of 12'"
+
+
+@pytest.mark.parametrize("stem", ["04_hopper_gluon", "05_autotuner_pitfalls"])
+def test_the_chapters_draw_their_pictures(stem):
+    """A chapter's picture is a plotting cell: chapter 4's tile chain, chapter 5's tuning cost."""
+    (path,) = [p for p in CHAPTERS if p.stem == stem]
+    plots = [c.source for c in _cells(path, "code") if "plt.subplots" in c.source or "plt.figure" in c.source]
+    assert plots, f"{path.name} draws no figure"

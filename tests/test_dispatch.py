@@ -2,8 +2,10 @@
 kernel, form and config over a grid of 2880 (GPU, SMs, b, s_q, h_q, topk, extra topk,
 alignment) cases, held to the table that tests/fixtures/make_launch_choices.py wrote from that
 code (38a926e); the split count too for the one form that still splits each query uniformly (two
-consumers). Every other form now runs the flat work list (tests/test_schedule.py). Nothing here
-needs a GPU."""
+consumers). Every other form now runs the flat work list (tests/test_schedule.py). Off sm_90
+the generic tables were since derived from each architecture's registers
+(:func:`mla.configs.generic`): there the pick keeps the fixture's kernel and tile, and its head
+block is the rule's. Nothing here needs a GPU."""
 import json
 import pathlib
 
@@ -55,7 +57,13 @@ def test_the_launch_rule_picks_what_it_picked_before():
         cfg, programs, _share = dispatch.decide(table, gluon, case["sms"], case["b"], case["s_q"], case["h_q"],
                                                 case["topk"], case["extra_topk"], 16 if case["aligned"] else 0)
         got = _choice(cfg, programs, want)
-        if got != want:
+        if case["arch"] in configs.ACCUMULATOR_REGS and want["kernel"] == "tl_dot":   # the derived table
+            same = got["kernel"] == "tl_dot" and got["block_n"] == want["block_n"] \
+                and configs.accumulator_regs(cfg) <= configs.ACCUMULATOR_REGS[case["arch"]] \
+                and cfg.block_h <= max(want["block_h"], configs.MIN_BLOCK_H)
+            if not same:
+                wrong.append((case, want, got))
+        elif got != want:
             wrong.append((case, want, got))
     assert not wrong, f"{len(wrong)} cases differ, e.g. {wrong[:3]}"
 

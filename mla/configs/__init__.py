@@ -104,15 +104,40 @@ class GluonConfig:
         return self
 
 
+#: Registers per thread that a ``tl.dot`` program's share of its output accumulator may take on
+#: the architectures whose tensor-core instruction (``mma.sync``) takes its A operand from
+#: registers: Q and P sit in registers beside the accumulator, the dequantized tile and S, in the
+#: 255 a thread has. sm_80 decodes FP8 in software, which costs registers of its own. The limits
+#: are those at which every shipped config's token-tile loop compiles without a spill
+#: (tests/test_aot.py); sm_90's wgmma reads both operands from shared memory and is not limited so.
+ACCUMULATOR_REGS = {80: 16, 86: 16, 89: 32, 100: 32, 120: 32}
+#: warps of a generic program: two warpgroups, as the H200's table has
+GENERIC_WARPS = 8
+
+
+def accumulator_regs(cfg: "TlDotConfig") -> int:
+    """Registers per thread of a program's output accumulator: ``block_h`` x 512 / ``dv_halves``
+    fp32 values over its ``32 * num_warps`` threads."""
+    return cfg.block_h * 512 // cfg.dv_halves // (32 * cfg.num_warps)
+
+
 def generic(arch: int = 90) -> dict:
-    """Untuned ``tl.dot`` defaults for an architecture (``arch`` = 10*major + minor). One stage,
-    so that they fit the 99 KB parts too (tests/test_aot.py compiles every one)."""
-    # sm_100 (Blackwell): a BLOCK_H 64 program's two [64, 256] fp32 accumulators plus S do not
-    # fit tensor memory (Triton compiles it to a lone `trap`); BLOCK_H 32 compiles to a real
-    # kernel. The 99 KB parts (sm_86/89/120): BLOCK_H 64 needs 128 KB of shared memory, 32 needs 96.
-    bh = 64 if arch in (80, 90) else 32
-    return {16: TlDotConfig(block_h=16, num_warps=8), 32: TlDotConfig(block_h=32, num_warps=8),
-            64: TlDotConfig(block_h=bh), 128: TlDotConfig(block_h=bh)}
+    """Untuned ``tl.dot`` defaults for an architecture (``arch`` = 10*major + minor), derived from
+    its limits rather than copied from a tuned table. sm_90: a head block of 64 (wgmma keeps its
+    operands in shared memory; 128 accumulator registers a thread at 8 warps). Elsewhere, per
+    head bucket, the largest head block (and, for it, the whole 512 columns before half of them)
+    whose accumulator share fits :data:`ACCUMULATOR_REGS`: BLOCK_H 32 with the columns split over
+    two programs on sm_89/100/120, 16 on sm_80. One stage, tiles of 64 tokens: every config fits
+    the 99 KB parts' shared memory (tests/test_aot.py compiles each)."""
+    if arch == 90:
+        return {h: TlDotConfig(block_h=min(h, 64), num_warps=GENERIC_WARPS) for h in (16, 32, 64, 128)}
+    limit = ACCUMULATOR_REGS.get(arch, ACCUMULATOR_REGS[80] if arch < 89 else ACCUMULATOR_REGS[89])
+    table = {}
+    for h in (16, 32, 64, 128):
+        fits = [TlDotConfig(block_h=bh, num_warps=GENERIC_WARPS, dv_halves=dv)
+                for bh in (64, 32, 16) if bh <= h for dv in (1, 2)]
+        table[h] = next(c for c in fits if accumulator_regs(c) <= limit)
+    return table
 
 
 def _files():
