@@ -31,6 +31,11 @@ from .ring import RING_N, tile_rows
 ROWS_L = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]))
 #: the same rows for a kernel of 4 warps (the two-consumer form)
 ROWS_L4 = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))
+#: the tokens-as-M forms' O [HEADS, 512] fp32 in shared memory, on its way from O^T's wgmma
+#: layout to ROWS_L: groups of 8 columns swizzled by head pair, so that neither the wgmma layout's
+#: stores (8 columns x 4 head pairs a warp) nor ROWS_L's row reads fall in the same banks (an
+#: unswizzled O^T [512, HEADS] read by rows is a 32-way bank conflict per load)
+O_STAGE = gl.constexpr(gl.SwizzledSharedLayout(8, 2, 8, [1, 0]))
 #: a ring stage read back for the decode: a warp reads 64 bytes of each of 8 tokens
 DECODE_L = gl.constexpr(gl.BlockedLayout([1, 8, 16], [8, 1, 4], [8, 1, 1], [2, 1, 0]))
 
@@ -268,12 +273,13 @@ def consumer_tokens(hb, p, x0, x1, q0, c0, q_end, s_q, h_q, q_ptr, q_sb, q_ss, q
             j += RING_TILES
         # O^T back to [HEADS, 512], in the layout of the epilogue's row-wise stores, through the tile
         # buffer (free once both warpgroups are past their last P.V; the next piece's first tile
-        # waits at its own barrier before it writes the buffer again)
+        # waits at its own barrier before it writes the buffer again), held head-major there
+        # (:data:`O_STAGE`)
         cta_barrier()
-        o_t = reinterpret(k_smem, gl.float32, [DIM, HEADS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        o_t.store(ot)
+        o_s = reinterpret(k_smem, gl.float32, [HEADS, DIM], O_STAGE)
+        o_s.store(gl.permute(ot, (1, 0)))
         cta_barrier()
-        o = o_t.permute((1, 0)).load(ROWS_L)
+        o = o_s.load(ROWS_L)
         store_piece(o, m_i, l_i, hb, q, s_q, h_q, split, 2 * p + (q != q0).to(gl.int32), out_ptr, lse_ptr, sink_ptr,
                     sink_stride, po_ptr, plse_ptr, HAS_SINK, HEADS, ROWS_L)
         c += units
