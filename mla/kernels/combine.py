@@ -16,7 +16,9 @@ from .common import DIM, LN2, finish_softmax, sink_factor, to_bf16
 #: heads per program and warps of the combine's launch (eight heads a program in the work
 #: list's grid was tried and rejected: results/h200/mma_versions.json, "combine 8 heads")
 BLOCK_HC = 1
-NUM_WARPS = 4
+NUM_WARPS = 2
+#: software-pipeline stages of the loop over pieces (its loads issued ahead of their use)
+NUM_STAGES = 3
 
 
 @triton.jit
@@ -31,14 +33,19 @@ def _slot(i, first_slot, p, FLAT: tl.constexpr):
 @triton.jit(do_not_specialize=["s_q", "h_q", "num_splits"])
 def combine_kernel(po_ptr, plse_ptr, rec_ptr, out_ptr, lse_ptr, sink_ptr, sink_stride, s_q, h_q, num_splits,
                    HAS_SINK: tl.constexpr, BLOCK_HC: tl.constexpr, FLAT: tl.constexpr, BY_QUERY: tl.constexpr = 0):
-    """Merge the partials of one split query for BLOCK_HC heads; apply the sink. FLAT (the work
-    list of ``num_splits`` shares): program ``p`` takes the split query whose first piece share
-    ``p`` holds (its record, written by the decode: none, and the program returns, where share
-    ``p`` starts no split query); with BY_QUERY, program ``q`` takes query row ``q`` if it is
-    split, through the program of its first piece that the decode wrote for it. Else program
-    ``q`` takes query row ``q``'s ``num_splits`` uniform pieces."""
+    """Merge the partials of one split query for one head (BLOCK_HC is 1); apply the sink. FLAT
+    (the work list of ``num_splits`` shares): program ``p`` takes the split query whose first
+    piece share ``p`` holds (its record, written by the decode: none, and the program returns,
+    where share ``p`` starts no split query); with BY_QUERY, program ``q`` takes query row ``q``
+    if it is split, through the program of its first piece that the decode wrote for it. Else
+    program ``q`` takes query row ``q``'s ``num_splits`` uniform pieces.
+
+    One pass over the pieces with a running maximum (the online softmax over pieces). No load
+    waits on another: a piece with no valid token has lse -inf, so weight 0, and a zero partial
+    (the decode writes every piece's), so that its partial is read unmasked."""
+    tl.static_assert(BLOCK_HC == 1, "the combine takes one head a program")
     p = tl.program_id(0)
-    hb = tl.program_id(1)
+    head = tl.program_id(1)
     if BY_QUERY:
         start = tl.load(rec_ptr + 3 * num_splits + p)
         first = tl.maximum(start, 0)
@@ -59,33 +66,31 @@ def combine_kernel(po_ptr, plse_ptr, rec_ptr, out_ptr, lse_ptr, sink_ptr, sink_s
     if tok >= 0:
         b = tok // s_q
         s_idx = tok - b * s_q
-        heads = hb * BLOCK_HC + tl.arange(0, BLOCK_HC)
-        hmask = heads < h_q
         c = tl.arange(0, DIM)
-        m = tl.full([BLOCK_HC], float("-inf"), tl.float32)
+        m = float("-inf")
+        wsum = 0.0
+        acc = tl.zeros([DIM], tl.float32)
         for i in range(0, n_pieces):
-            row = _slot(i, first_slot, base_slot, FLAT).to(tl.int64) * h_q + heads
-            m = tl.maximum(m, tl.load(plse_ptr + row, mask=hmask, other=float("-inf")))
+            row = _slot(i, first_slot, base_slot, FLAT).to(tl.int64) * h_q + head
+            lse = tl.load(plse_ptr + row)
+            o = tl.load(po_ptr + row * DIM + c).to(tl.float32)
+            m_new = tl.maximum(m, lse)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            scale = tl.exp2(m - m_safe)
+            w = tl.exp2(lse - m_safe)
+            wsum = wsum * scale + w
+            acc = acc * scale + w * o
+            m = m_new
         m_safe = tl.where(m == float("-inf"), 0.0, m)
-        wsum = tl.zeros([BLOCK_HC], tl.float32)
-        acc = tl.zeros([BLOCK_HC, DIM], tl.float32)
-        for i in range(0, n_pieces):
-            row = _slot(i, first_slot, base_slot, FLAT).to(tl.int64) * h_q + heads
-            w = tl.exp2(tl.load(plse_ptr + row, mask=hmask, other=float("-inf")) - m_safe)
-            o = tl.load(po_ptr + row[:, None] * DIM + c[None, :], mask=hmask[:, None] & (w[:, None] > 0),
-                        other=0.0).to(tl.float32)
-            wsum += w
-            acc += w[:, None] * o
         empty, wsafe, lse2 = finish_softmax(wsum, m_safe)
         lse = lse2 * LN2
-        out = acc / wsafe[:, None]
+        out = acc / wsafe
         if HAS_SINK:
-            sink = tl.load(sink_ptr + heads * sink_stride, mask=hmask, other=0.0)
-            out = out * sink_factor(sink, lse, empty)[:, None]
-        out = tl.where(empty[:, None], 0.0, out)
-        tl.store(out_ptr + (tok.to(tl.int64) * h_q + heads)[:, None] * DIM + c[None, :],
-                 to_bf16(out), mask=hmask[:, None])
-        tl.store(lse_ptr + (b * h_q + heads) * s_q + s_idx, tl.where(empty, float("inf"), lse), mask=hmask)
+            sink = tl.load(sink_ptr + head * sink_stride)
+            out = out * sink_factor(sink, lse, empty)
+        out = tl.where(empty, 0.0, out)
+        tl.store(out_ptr + (tok.to(tl.int64) * h_q + head) * DIM + c, to_bf16(out))
+        tl.store(lse_ptr + (b * h_q + head) * s_q + s_idx, tl.where(empty, float("inf"), lse))
 
 
 def launch_params(programs: int, n_q: int, h_q: int, has_sink: bool, flat: bool) -> tuple:
@@ -96,4 +101,5 @@ def launch_params(programs: int, n_q: int, h_q: int, has_sink: bool, flat: bool)
     by_query = flat and n_q < programs
     rows = programs if flat and not by_query else n_q
     return (rows, (h_q + BLOCK_HC - 1) // BLOCK_HC), dict(HAS_SINK=has_sink, BLOCK_HC=BLOCK_HC, FLAT=int(flat),
-                                                         BY_QUERY=int(by_query), num_warps=NUM_WARPS)
+                                                         BY_QUERY=int(by_query), num_warps=NUM_WARPS,
+                                                         num_stages=NUM_STAGES)

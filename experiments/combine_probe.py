@@ -1,0 +1,202 @@
+"""Dev tool (GPU): the combine's GPU time (torch profiler) at a few shapes whose queries are
+split into few or many pieces, for the shipped kernel and two rejected forms of its loop over
+the pieces (below), over its launch's warps and pipeline stages (``combine.NUM_WARPS``,
+``combine.NUM_STAGES``), with the decode's time beside it:
+
+- "two passes" (run r36a): the maximum of the pieces' lse first, then the weighted sum;
+- "one pass, masked": the shipped loop, but each partial's load masked by its weight, so that
+  it waits on the lse's load;
+- "16 pieces a step": the lse of 16 pieces and their partials as one [16, 512] tile a step.
+
+    python experiments/combine_probe.py OUT.json
+"""
+import argparse
+import itertools
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import mla  # noqa: E402  (first: it may turn Triton's interpreter on)
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from mla import api, bench  # noqa: E402
+from mla.kernels import combine  # noqa: E402
+from mla.kernels.combine import DIM, LN2, _slot, finish_softmax, sink_factor, to_bf16  # noqa: E402
+
+
+@triton.jit
+def _pieces(rec_ptr, p, num_splits, BY_QUERY: tl.constexpr, FLAT: tl.constexpr):
+    if BY_QUERY:
+        start = tl.load(rec_ptr + 3 * num_splits + p)
+        first = tl.maximum(start, 0)
+        tok = tl.where(start >= 0, p, -1)
+        n_pieces = tl.load(rec_ptr + 3 * first + 1) - first + 1
+        first_slot = tl.load(rec_ptr + 3 * first + 2)
+        base_slot = first
+    elif FLAT:
+        tok = tl.load(rec_ptr + 3 * p)
+        n_pieces = tl.load(rec_ptr + 3 * p + 1) - p + 1
+        first_slot = tl.load(rec_ptr + 3 * p + 2)
+        base_slot = p
+    else:
+        tok = p
+        n_pieces = num_splits
+        first_slot = 0
+        base_slot = p * num_splits
+    return tok, n_pieces, first_slot, base_slot
+
+
+@triton.jit
+def _finish(acc, wsum, m_safe, tok, head, s_q, h_q, out_ptr, lse_ptr, sink_ptr, sink_stride, HAS_SINK: tl.constexpr):
+    b = tok // s_q
+    c = tl.arange(0, DIM)
+    empty, wsafe, lse2 = finish_softmax(wsum, m_safe)
+    lse = lse2 * LN2
+    out = acc / wsafe
+    if HAS_SINK:
+        out = out * sink_factor(tl.load(sink_ptr + head * sink_stride), lse, empty)
+    out = tl.where(empty, 0.0, out)
+    tl.store(out_ptr + (tok.to(tl.int64) * h_q + head) * DIM + c, to_bf16(out))
+    tl.store(lse_ptr + (b * h_q + head) * s_q + (tok - b * s_q), tl.where(empty, float("inf"), lse))
+
+
+@triton.jit(do_not_specialize=["s_q", "h_q", "num_splits"])
+def two_passes(po_ptr, plse_ptr, rec_ptr, out_ptr, lse_ptr, sink_ptr, sink_stride, s_q, h_q, num_splits,
+               HAS_SINK: tl.constexpr, BLOCK_HC: tl.constexpr, FLAT: tl.constexpr, BY_QUERY: tl.constexpr = 0):
+    p = tl.program_id(0)
+    head = tl.program_id(1)
+    tok, n_pieces, first_slot, base_slot = _pieces(rec_ptr, p, num_splits, BY_QUERY, FLAT)
+    if tok >= 0:
+        c = tl.arange(0, DIM)
+        m = float("-inf")
+        for i in range(0, n_pieces):
+            m = tl.maximum(m, tl.load(plse_ptr + _slot(i, first_slot, base_slot, FLAT).to(tl.int64) * h_q + head))
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        wsum = 0.0
+        acc = tl.zeros([DIM], tl.float32)
+        for i in range(0, n_pieces):
+            row = _slot(i, first_slot, base_slot, FLAT).to(tl.int64) * h_q + head
+            w = tl.exp2(tl.load(plse_ptr + row) - m_safe)
+            o = tl.load(po_ptr + row * DIM + c, mask=(c * 0 + w) > 0, other=0.0).to(tl.float32)
+            wsum += w
+            acc += w * o
+        _finish(acc, wsum, m_safe, tok, head, s_q, h_q, out_ptr, lse_ptr, sink_ptr, sink_stride, HAS_SINK)
+
+
+@triton.jit(do_not_specialize=["s_q", "h_q", "num_splits"])
+def one_pass_masked(po_ptr, plse_ptr, rec_ptr, out_ptr, lse_ptr, sink_ptr, sink_stride, s_q, h_q, num_splits,
+                    HAS_SINK: tl.constexpr, BLOCK_HC: tl.constexpr, FLAT: tl.constexpr, BY_QUERY: tl.constexpr = 0):
+    p = tl.program_id(0)
+    head = tl.program_id(1)
+    tok, n_pieces, first_slot, base_slot = _pieces(rec_ptr, p, num_splits, BY_QUERY, FLAT)
+    if tok >= 0:
+        c = tl.arange(0, DIM)
+        m = float("-inf")
+        wsum = 0.0
+        acc = tl.zeros([DIM], tl.float32)
+        for i in range(0, n_pieces):
+            row = _slot(i, first_slot, base_slot, FLAT).to(tl.int64) * h_q + head
+            lse = tl.load(plse_ptr + row)
+            m_new = tl.maximum(m, lse)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            scale = tl.exp2(m - m_safe)
+            w = tl.exp2(lse - m_safe)
+            o = tl.load(po_ptr + row * DIM + c, mask=(c * 0 + w) > 0, other=0.0).to(tl.float32)
+            wsum = wsum * scale + w
+            acc = acc * scale + w * o
+            m = m_new
+        _finish(acc, wsum, tl.where(m == float("-inf"), 0.0, m), tok, head, s_q, h_q, out_ptr, lse_ptr, sink_ptr,
+                sink_stride, HAS_SINK)
+
+
+@triton.jit(do_not_specialize=["s_q", "h_q", "num_splits"])
+def pieces_a_step(po_ptr, plse_ptr, rec_ptr, out_ptr, lse_ptr, sink_ptr, sink_stride, s_q, h_q, num_splits,
+                  HAS_SINK: tl.constexpr, BLOCK_HC: tl.constexpr, FLAT: tl.constexpr, BY_QUERY: tl.constexpr = 0,
+                  BLOCK_P: tl.constexpr = 16):
+    p = tl.program_id(0)
+    head = tl.program_id(1)
+    tok, n_pieces, first_slot, base_slot = _pieces(rec_ptr, p, num_splits, BY_QUERY, FLAT)
+    if tok >= 0:
+        c = tl.arange(0, DIM)
+        m = float("-inf")
+        wsum = 0.0
+        acc = tl.zeros([DIM], tl.float32)
+        for i0 in range(0, n_pieces, BLOCK_P):
+            i = i0 + tl.arange(0, BLOCK_P)
+            row = _slot(i, first_slot, base_slot, FLAT).to(tl.int64) * h_q + head
+            lse = tl.load(plse_ptr + row, mask=i < n_pieces, other=float("-inf"))
+            m_new = tl.maximum(m, tl.max(lse, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            w = tl.exp2(lse - m_safe)
+            o = tl.load(po_ptr + row[:, None] * DIM + c[None, :], mask=(w > 0)[:, None], other=0.0).to(tl.float32)
+            scale = tl.exp2(m - m_safe)
+            wsum = wsum * scale + tl.sum(w, 0)
+            acc = acc * scale + tl.sum(w[:, None] * o, 0)
+            m = m_new
+        _finish(acc, wsum, tl.where(m == float("-inf"), 0.0, m), tok, head, s_q, h_q, out_ptr, lse_ptr, sink_ptr,
+                sink_stride, HAS_SINK)
+
+
+KERNELS = {"shipped": combine.combine_kernel, "two passes": two_passes, "one pass, masked": one_pass_masked,
+           "16 pieces a step": pieces_a_step}
+
+#: (shape, programs to force or None for the rule's): 32, 16, 4 and 2 pieces a query, small and
+#: large combine grids
+CASES = [(bench.Shape("DSA", 1, 1, 64, 2048, 64), None),
+         (bench.Shape("DSA", 8, 1, 64, 2048, 64), None),
+         (bench.Shape("V4-CSA", 32, 1, 64, 128, 256, 512, 64), None),
+         (bench.Shape("sweep CSA", 74, 1, 64, 128, 256, 512, 64), 124),
+         (bench.Shape("sweep CSA", 32, 2, 64, 128, 256, 512, 64), None),
+         (bench.Shape("sweep DSA", 2, 2, 128, 2048, 64), None),
+         (bench.Shape("sweep HCA", 64, 2, 128, 128, 256, 1024, 2, lengths=True), None)]
+
+
+def kernel_us(case, call, calls=32):
+    for i in range(8):
+        call(i % len(case.index_sets))
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            call(i % len(case.index_sets))
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+        if t > 0:
+            out[e.key[:40]] = round(t / calls, 2)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    a = ap.parse_args(argv)
+    if mla.INTERPRET:
+        sys.exit("combine_probe: needs a CUDA GPU")
+    dev = torch.device("cuda")
+    pools, rows = {}, []
+    for s, programs in CASES:
+        case = bench.Case(s, dev, pool_bytes=1e9, n_sets=8, pools=pools)
+        for (name, kernel), warps, stages in itertools.product(KERNELS.items(), (2, 4), (3, 6)):
+            combine.combine_kernel, combine.NUM_WARPS, combine.NUM_STAGES = kernel, warps, stages
+            plan = api.plan(case.q, case.cache, case.index_sets[0], **case.kwargs(0), programs=programs)
+
+            def call(i, plan=plan):
+                return api.sparse_decode(case.q, case.cache, case.index_sets[i], **case.kwargs(i), plan=plan)
+            rows.append({"shape": s.name, "b": s.b, "s_q": s.s_q, "h_q": s.h_q, "programs": plan.launch.programs,
+                         "share": plan.launch.share, "kernel": name, "num_warps": warps, "num_stages": stages,
+                         "kernels": kernel_us(case, call), "us_graph": round(bench.time_graph(case, call), 2)})
+            print(rows[-1], flush=True)
+        del case
+    pathlib.Path(a.out).write_text(json.dumps({"provenance": bench.provenance(bench.ceilings(dev)), "rows": rows},
+                                              indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
