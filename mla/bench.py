@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+import timeit
 from dataclasses import dataclass
 
 import torch
@@ -666,8 +667,9 @@ def _stubbed_launches(h200: bool):
 
 def host_cost(shapes=None, calls: int = 2000, reps: int = 5, h200: bool = True, device="cpu") -> list[dict]:
     """Microseconds of Python per call before its launches, the fastest of ``reps`` loops of
-    ``calls`` calls (the work is the same every call, so the fastest loop is the one the rest of
-    the machine disturbed least; ``timeit``'s rule), with a plan and without one, at each shape
+    ``calls`` calls timed by ``timeit`` (the garbage collector off; the work is the same every
+    call, so the fastest loop is the one the rest of the machine disturbed least), with a plan
+    and without one, at each shape
     (one-block caches: the host's work depends on the shapes only). The kernel launches are
     stubbed; with ``h200`` the launch rule plans as on an H200 whatever the device."""
     rows = []
@@ -689,13 +691,7 @@ def host_cost(shapes=None, calls: int = 2000, reps: int = 5, h200: bool = True, 
             row = {"shape": s.name, "b": s.b, "launch": plan.launch.label}
             for what, f in variants.items():
                 f()
-                times = []
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    for _ in range(calls):
-                        f()
-                    times.append((time.perf_counter() - t0) / calls * 1e6)
-                row[f"us {what}"] = round(min(times), 2)
+                row[f"us {what}"] = round(min(timeit.Timer(f).repeat(reps, calls)) / calls * 1e6, 2)
         rows.append(row)
     return rows
 

@@ -280,6 +280,8 @@ _DECODE_TENSORS = (0, 4, 5, 6, 8, 9, 10, 11, 15, 19, 21, 25, 29)
 _COMBINE_TENSORS = (0, 1, 2, 3, 4, 5)
 #: the caches among them, which Triton's path takes as uint8
 _CACHE_SLOTS = (11, 21)
+#: where the combine's tensors are among a split call's decode tensors (:meth:`Launcher.__call__`)
+_COMBINE_FROM_DECODE = (4, 5, 6, 1, 2, 3)
 
 
 class Launcher:
@@ -334,12 +336,14 @@ class Launcher:
         else:
             ec, eidx = k_cache, indices
         combine_ = self.launch.combine
-        self._decode(getattr(self._module, self._name), (
-            q, out, lse, sink, po if combine_ else lse, plse if combine_ else lse, rec, k_cache, indices,
-            indices if topk_length is None else topk_length, ec, eidx,
-            indices if extra_topk_length is None else extra_topk_length))
-        if combine_:
-            self._combine(combine.combine_kernel, (po, plse, rec, out, lse, sink))
+        tensors = (q, out, lse, sink, po if combine_ else lse, plse if combine_ else lse, rec, k_cache, indices,
+                   indices if topk_length is None else topk_length, ec, eidx,
+                   indices if extra_topk_length is None else extra_topk_length)
+        addresses = _addresses(tensors)
+        self._decode(getattr(self._module, self._name), tensors, addresses)
+        if combine_:      # the combine's tensors are the decode's partials, records, out, lse and sink
+            self._combine(combine.combine_kernel, (po, plse, rec, out, lse, sink),
+                          None if addresses is None else [addresses[i] for i in _COMBINE_FROM_DECODE])
 
 
 #: Triton's launcher takes every argument, constexprs included, from 3.3 on
@@ -404,10 +408,12 @@ class BoundLaunch:
             args[i] = v
         return args
 
-    def __call__(self, kernel, tensors: tuple) -> None:
-        """Launch ``kernel`` with ``tensors`` in the template's tensor slots."""
+    def __call__(self, kernel, tensors: tuple, addresses=None) -> None:
+        """Launch ``kernel`` with ``tensors`` in the template's tensor slots (``addresses``: theirs,
+        from :func:`_addresses`, where the caller has them)."""
         if self._compiled is not None and kernel is self._kernel:
-            addresses = _addresses(tensors)
+            if addresses is None:
+                addresses = _addresses(tensors)
             if addresses is not None:
                 args = self._args(addresses)
                 if self._fast is not None:
