@@ -1,0 +1,65 @@
+"""Dev tool (GPU): the portable tl.dot kernel forced into a few configs at some record shapes,
+CUDA-graph time per call: the shipped table's config, which spills in its token-tile loop under
+Triton 3.6 ahead of time for sm_90, against forms that do not (two programs a head block, each
+with half of the output columns, at 8 warps).
+
+    python experiments/tl_dot_forms.py OUT.json [--budget-s S]
+"""
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import mla  # noqa: E402  (first: it may turn Triton's interpreter on)
+import torch  # noqa: E402
+
+from mla import api, bench, dispatch  # noqa: E402
+from mla.configs import TlDotConfig  # noqa: E402
+
+CONFIGS = {"rule": None,
+           "8 warps, 2 stages": TlDotConfig(64, 64, 8, 2, 1),
+           "split P.V, 8 warps, 2 stages": TlDotConfig(64, 64, 8, 2, 2),
+           "split P.V, 8 warps, 1 stage": TlDotConfig(64, 64, 8, 1, 2),
+           "split P.V, 4 warps, 1 stage": TlDotConfig(64, 64, 4, 1, 2)}
+SHAPES = [("DSA", 1), ("DSA", 8), ("DSA", 128), ("V4-CSA", 32), ("V4-CSA", 128)]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--budget-s", type=float, default=90)
+    a = ap.parse_args(argv)
+    if mla.INTERPRET:
+        sys.exit("tl_dot_forms: needs a CUDA GPU")
+    t0 = time.time()
+    dev = torch.device("cuda")
+    shapes = {(s.name, s.b): s for s in bench.spec_shapes()}
+    pools, rows = {}, []
+    for key in SHAPES:
+        s = shapes[key]
+        case = bench.Case(s, dev, pool_bytes=1e9, n_sets=8, pools=pools)
+        for name, cfg in CONFIGS.items():
+            if time.time() - t0 > a.budget_s:
+                break
+            if cfg is None:
+                cfg = dispatch.fill_small_grid(dispatch.tl_dot_config(dev, s.h_q), s.b, s.s_q, s.h_q, s.topk_total,
+                                               dispatch.sm_count(dev))
+            plan = api.plan(case.q, case.cache, case.index_sets[0], **case.kwargs(0), config=cfg)
+
+            def call(i, plan=plan):
+                return api.sparse_decode(case.q, case.cache, case.index_sets[i], **case.kwargs(i), plan=plan)
+            rows.append({"shape": s.name, "b": s.b, "config": name, "launch": str(plan.launch)[:200],
+                         "us_graph": round(bench.time_graph(case, call), 2)})
+            print(rows[-1], flush=True)
+        del case
+    pathlib.Path(a.out).write_text(json.dumps({"provenance": bench.provenance(bench.ceilings(dev)), "rows": rows},
+                                              indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
