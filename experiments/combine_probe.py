@@ -25,31 +25,10 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from experiments.kernel_times import kernel_us  # noqa: E402
 from mla import api, bench  # noqa: E402
 from mla.kernels import combine  # noqa: E402
-from mla.kernels.combine import DIM, LN2, _slot, finish_softmax, sink_factor, to_bf16  # noqa: E402
-
-
-@triton.jit
-def _pieces(rec_ptr, p, num_splits, BY_QUERY: tl.constexpr, FLAT: tl.constexpr):
-    if BY_QUERY:
-        start = tl.load(rec_ptr + 3 * num_splits + p)
-        first = tl.maximum(start, 0)
-        tok = tl.where(start >= 0, p, -1)
-        n_pieces = tl.load(rec_ptr + 3 * first + 1) - first + 1
-        first_slot = tl.load(rec_ptr + 3 * first + 2)
-        base_slot = first
-    elif FLAT:
-        tok = tl.load(rec_ptr + 3 * p)
-        n_pieces = tl.load(rec_ptr + 3 * p + 1) - p + 1
-        first_slot = tl.load(rec_ptr + 3 * p + 2)
-        base_slot = p
-    else:
-        tok = p
-        n_pieces = num_splits
-        first_slot = 0
-        base_slot = p * num_splits
-    return tok, n_pieces, first_slot, base_slot
+from mla.kernels.combine import DIM, LN2, _slot, finish_softmax, pieces_of, sink_factor, to_bf16  # noqa: E402
 
 
 @triton.jit
@@ -71,7 +50,7 @@ def two_passes(po_ptr, plse_ptr, rec_ptr, out_ptr, lse_ptr, sink_ptr, sink_strid
                HAS_SINK: tl.constexpr, BLOCK_HC: tl.constexpr, FLAT: tl.constexpr, BY_QUERY: tl.constexpr = 0):
     p = tl.program_id(0)
     head = tl.program_id(1)
-    tok, n_pieces, first_slot, base_slot = _pieces(rec_ptr, p, num_splits, BY_QUERY, FLAT)
+    tok, n_pieces, first_slot, base_slot = pieces_of(rec_ptr, p, num_splits, FLAT, BY_QUERY)
     if tok >= 0:
         c = tl.arange(0, DIM)
         m = float("-inf")
@@ -94,7 +73,7 @@ def one_pass_masked(po_ptr, plse_ptr, rec_ptr, out_ptr, lse_ptr, sink_ptr, sink_
                     HAS_SINK: tl.constexpr, BLOCK_HC: tl.constexpr, FLAT: tl.constexpr, BY_QUERY: tl.constexpr = 0):
     p = tl.program_id(0)
     head = tl.program_id(1)
-    tok, n_pieces, first_slot, base_slot = _pieces(rec_ptr, p, num_splits, BY_QUERY, FLAT)
+    tok, n_pieces, first_slot, base_slot = pieces_of(rec_ptr, p, num_splits, FLAT, BY_QUERY)
     if tok >= 0:
         c = tl.arange(0, DIM)
         m = float("-inf")
@@ -121,7 +100,7 @@ def pieces_a_step(po_ptr, plse_ptr, rec_ptr, out_ptr, lse_ptr, sink_ptr, sink_st
                   BLOCK_P: tl.constexpr = 16):
     p = tl.program_id(0)
     head = tl.program_id(1)
-    tok, n_pieces, first_slot, base_slot = _pieces(rec_ptr, p, num_splits, BY_QUERY, FLAT)
+    tok, n_pieces, first_slot, base_slot = pieces_of(rec_ptr, p, num_splits, FLAT, BY_QUERY)
     if tok >= 0:
         c = tl.arange(0, DIM)
         m = float("-inf")
@@ -155,22 +134,6 @@ CASES = [(bench.Shape("DSA", 1, 1, 64, 2048, 64), None),
          (bench.Shape("sweep CSA", 32, 2, 64, 128, 256, 512, 64), None),
          (bench.Shape("sweep DSA", 2, 2, 128, 2048, 64), None),
          (bench.Shape("sweep HCA", 64, 2, 128, 128, 256, 1024, 2, lengths=True), None)]
-
-
-def kernel_us(case, call, calls=32):
-    for i in range(8):
-        call(i % len(case.index_sets))
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for i in range(calls):
-            call(i % len(case.index_sets))
-        torch.cuda.synchronize()
-    out = {}
-    for e in prof.key_averages():
-        t = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
-        if t > 0:
-            out[e.key[:40]] = round(t / calls, 2)
-    return out
 
 
 def main(argv=None):

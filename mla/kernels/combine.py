@@ -30,22 +30,11 @@ def _slot(i, first_slot, p, FLAT: tl.constexpr):
     return p + i
 
 
-@triton.jit(do_not_specialize=["s_q", "h_q", "num_splits"])
-def combine_kernel(po_ptr, plse_ptr, rec_ptr, out_ptr, lse_ptr, sink_ptr, sink_stride, s_q, h_q, num_splits,
-                   HAS_SINK: tl.constexpr, BLOCK_HC: tl.constexpr, FLAT: tl.constexpr, BY_QUERY: tl.constexpr = 0):
-    """Merge the partials of one split query for one head (BLOCK_HC is 1); apply the sink. FLAT
-    (the work list of ``num_splits`` shares): program ``p`` takes the split query whose first
-    piece share ``p`` holds (its record, written by the decode: none, and the program returns,
-    where share ``p`` starts no split query); with BY_QUERY, program ``q`` takes query row ``q``
-    if it is split, through the program of its first piece that the decode wrote for it. Else
-    program ``q`` takes query row ``q``'s ``num_splits`` uniform pieces.
-
-    One pass over the pieces with a running maximum (the online softmax over pieces). No load
-    waits on another: a piece with no valid token has lse -inf, so weight 0, and a zero partial
-    (the decode writes every piece's), so that its partial is read unmasked."""
-    tl.static_assert(BLOCK_HC == 1, "the combine takes one head a program")
-    p = tl.program_id(0)
-    head = tl.program_id(1)
+@triton.jit
+def pieces_of(rec_ptr, p, num_splits, FLAT: tl.constexpr, BY_QUERY: tl.constexpr):
+    """Program ``p``'s split query and its pieces (see :func:`combine_kernel`): (the query row,
+    or -1 where the program has none; its pieces; the first piece's slot; the base of
+    :func:`_slot`)."""
     if BY_QUERY:
         start = tl.load(rec_ptr + 3 * num_splits + p)
         first = tl.maximum(start, 0)
@@ -63,6 +52,26 @@ def combine_kernel(po_ptr, plse_ptr, rec_ptr, out_ptr, lse_ptr, sink_ptr, sink_s
         n_pieces = num_splits
         first_slot = 0
         base_slot = p * num_splits
+    return tok, n_pieces, first_slot, base_slot
+
+
+@triton.jit(do_not_specialize=["s_q", "h_q", "num_splits"])
+def combine_kernel(po_ptr, plse_ptr, rec_ptr, out_ptr, lse_ptr, sink_ptr, sink_stride, s_q, h_q, num_splits,
+                   HAS_SINK: tl.constexpr, BLOCK_HC: tl.constexpr, FLAT: tl.constexpr, BY_QUERY: tl.constexpr = 0):
+    """Merge the partials of one split query for one head (BLOCK_HC is 1); apply the sink. FLAT
+    (the work list of ``num_splits`` shares): program ``p`` takes the split query whose first
+    piece share ``p`` holds (its record, written by the decode: none, and the program returns,
+    where share ``p`` starts no split query); with BY_QUERY, program ``q`` takes query row ``q``
+    if it is split, through the program of its first piece that the decode wrote for it. Else
+    program ``q`` takes query row ``q``'s ``num_splits`` uniform pieces.
+
+    One pass over the pieces with a running maximum (the online softmax over pieces). No load
+    waits on another: a piece with no valid token has lse -inf, so weight 0, and a zero partial
+    (the decode writes every piece's), so that its partial is read unmasked."""
+    tl.static_assert(BLOCK_HC == 1, "the combine takes one head a program")
+    p = tl.program_id(0)
+    head = tl.program_id(1)
+    tok, n_pieces, first_slot, base_slot = pieces_of(rec_ptr, p, num_splits, FLAT, BY_QUERY)
     if tok >= 0:
         b = tok // s_q
         s_idx = tok - b * s_q
