@@ -26,7 +26,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from experiments.kernel_times import kernel_us  # noqa: E402
-from mla import api, bench  # noqa: E402
+from mla import bench  # noqa: E402
 from mla.kernels import combine  # noqa: E402
 from mla.kernels.combine import DIM, LN2, _slot, finish_softmax, pieces_of, sink_factor, to_bf16  # noqa: E402
 
@@ -47,7 +47,7 @@ def _finish(acc, wsum, m_safe, tok, head, s_q, h_q, out_ptr, lse_ptr, sink_ptr, 
 
 @triton.jit(do_not_specialize=["s_q", "h_q", "num_splits"])
 def two_passes(po_ptr, plse_ptr, rec_ptr, out_ptr, lse_ptr, sink_ptr, sink_stride, s_q, h_q, num_splits,
-               HAS_SINK: tl.constexpr, BLOCK_HC: tl.constexpr, FLAT: tl.constexpr, BY_QUERY: tl.constexpr = 0):
+               HAS_SINK: tl.constexpr, FLAT: tl.constexpr, BY_QUERY: tl.constexpr = 0):
     p = tl.program_id(0)
     head = tl.program_id(1)
     tok, n_pieces, first_slot, base_slot = pieces_of(rec_ptr, p, num_splits, FLAT, BY_QUERY)
@@ -70,7 +70,7 @@ def two_passes(po_ptr, plse_ptr, rec_ptr, out_ptr, lse_ptr, sink_ptr, sink_strid
 
 @triton.jit(do_not_specialize=["s_q", "h_q", "num_splits"])
 def one_pass_masked(po_ptr, plse_ptr, rec_ptr, out_ptr, lse_ptr, sink_ptr, sink_stride, s_q, h_q, num_splits,
-                    HAS_SINK: tl.constexpr, BLOCK_HC: tl.constexpr, FLAT: tl.constexpr, BY_QUERY: tl.constexpr = 0):
+                    HAS_SINK: tl.constexpr, FLAT: tl.constexpr, BY_QUERY: tl.constexpr = 0):
     p = tl.program_id(0)
     head = tl.program_id(1)
     tok, n_pieces, first_slot, base_slot = pieces_of(rec_ptr, p, num_splits, FLAT, BY_QUERY)
@@ -96,7 +96,7 @@ def one_pass_masked(po_ptr, plse_ptr, rec_ptr, out_ptr, lse_ptr, sink_ptr, sink_
 
 @triton.jit(do_not_specialize=["s_q", "h_q", "num_splits"])
 def pieces_a_step(po_ptr, plse_ptr, rec_ptr, out_ptr, lse_ptr, sink_ptr, sink_stride, s_q, h_q, num_splits,
-                  HAS_SINK: tl.constexpr, BLOCK_HC: tl.constexpr, FLAT: tl.constexpr, BY_QUERY: tl.constexpr = 0,
+                  HAS_SINK: tl.constexpr, FLAT: tl.constexpr, BY_QUERY: tl.constexpr = 0,
                   BLOCK_P: tl.constexpr = 16):
     p = tl.program_id(0)
     head = tl.program_id(1)
@@ -148,12 +148,9 @@ def main(argv=None):
         case = bench.Case(s, dev, pool_bytes=1e9, n_sets=8, pools=pools)
         for (name, kernel), warps, stages in itertools.product(KERNELS.items(), (2, 4), (3, 6)):
             combine.combine_kernel, combine.NUM_WARPS, combine.NUM_STAGES = kernel, warps, stages
-            plan = api.plan(case.q, case.cache, case.index_sets[0], **case.kwargs(0), programs=programs)
-
-            def call(i, plan=plan):
-                return api.sparse_decode(case.q, case.cache, case.index_sets[i], **case.kwargs(i), plan=plan)
-            rows.append({"shape": s.name, "b": s.b, "s_q": s.s_q, "h_q": s.h_q, "programs": plan.launch.programs,
-                         "share": plan.launch.share, "kernel": name, "num_warps": warps, "num_stages": stages,
+            call = case.caller("mma", programs=programs)
+            rows.append({"shape": s.name, "b": s.b, "s_q": s.s_q, "h_q": s.h_q, "programs": call.plan.launch.programs,
+                         "share": call.plan.launch.share, "kernel": name, "num_warps": warps, "num_stages": stages,
                          "kernels": kernel_us(case, call), "us_graph": round(bench.time_graph(case, call), 2)})
             print(rows[-1], flush=True)
         del case

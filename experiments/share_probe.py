@@ -19,7 +19,7 @@ if str(ROOT) not in sys.path:
 import mla  # noqa: E402  (first: it may turn Triton's interpreter on)
 import torch  # noqa: E402
 
-from mla import api, bench, dispatch, schedule  # noqa: E402
+from mla import bench, dispatch, schedule  # noqa: E402
 from mla.kernels import combine  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def main(argv=None):
         if time.time() - t0 > a.budget_s:
             break
         case = bench.Case(s, dev, pool_bytes=1e9, n_sets=8, pools=pools)
-        chosen = api.plan(case.q, case.cache, case.index_sets[0], **case.kwargs(0))
+        chosen = case.caller("mma").plan
         cfg = chosen.launch.config
         heads = dispatch._cdiv(s.h_q, cfg.block_h) * getattr(cfg, "dv_halves", 1)
         n_q = s.b * s.s_q
@@ -68,11 +68,8 @@ def main(argv=None):
         if getattr(cfg, "two_consumers", False):
             continue
         for share in candidate_shares(n_q, units, max(1, sms // heads)):
-            programs = schedule.cdiv(n_q * units, share)
-            plan = api.plan(case.q, case.cache, case.index_sets[0], **case.kwargs(0), programs=programs)
-
-            def call(i, plan=plan):
-                return api.sparse_decode(case.q, case.cache, case.index_sets[i], **case.kwargs(i), plan=plan)
+            call = case.caller("mma", programs=schedule.cdiv(n_q * units, share))
+            plan = call.plan
             us = bench.time_graph(case, call)
             rows.append({"shape": s.name, "b": s.b, "s_q": s.s_q, "h_q": s.h_q, "units": units, "n_q": n_q,
                          "heads_blocks": heads, "form": cfg.label, "programs": plan.launch.programs,

@@ -18,10 +18,10 @@ if str(ROOT) not in sys.path:
 import mla  # noqa: E402  (first: it may turn Triton's interpreter on)
 import torch  # noqa: E402
 
-from mla import api, bench, dispatch  # noqa: E402
+from mla import bench  # noqa: E402
 from mla.configs import TlDotConfig  # noqa: E402
 
-CONFIGS = {"rule": None,
+CONFIGS = {"rule": None,          # the shipped config and small-grid rule (impl "tl_dot")
            "8 warps, 2 stages": TlDotConfig(64, 64, 8, 2, 1),
            "split P.V, 8 warps, 2 stages": TlDotConfig(64, 64, 8, 2, 2),
            "split P.V, 8 warps, 1 stage": TlDotConfig(64, 64, 8, 1, 2),
@@ -46,14 +46,8 @@ def main(argv=None):
         for name, cfg in CONFIGS.items():
             if time.time() - t0 > a.budget_s:
                 break
-            if cfg is None:
-                cfg = dispatch.fill_small_grid(dispatch.tl_dot_config(dev, s.h_q), s.b, s.s_q, s.h_q, s.topk_total,
-                                               dispatch.sm_count(dev))
-            plan = api.plan(case.q, case.cache, case.index_sets[0], **case.kwargs(0), config=cfg)
-
-            def call(i, plan=plan):
-                return api.sparse_decode(case.q, case.cache, case.index_sets[i], **case.kwargs(i), plan=plan)
-            rows.append({"shape": s.name, "b": s.b, "config": name, "launch": str(plan.launch)[:200],
+            call = case.caller("tl_dot") if cfg is None else case.caller("mma", config=cfg)
+            rows.append({"shape": s.name, "b": s.b, "config": name, "launch": str(call.plan.launch)[:200],
                          "us_graph": round(bench.time_graph(case, call), 2)})
             print(rows[-1], flush=True)
         del case

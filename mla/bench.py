@@ -173,19 +173,19 @@ class Case:
     def call(self, fn, i: int = 0):
         return fn(self.q, self.cache, self.index_sets[i], **self.kwargs(i))
 
-    def caller(self, impl: str):
+    def caller(self, impl: str, **plan_options):
         """``f(i)``: one call of ``impl`` on index set ``i``. ``mma`` uses one plan made here (as
-        a serving step would); ``mma-unplanned`` the call without one; ``tl_dot`` the portable
+        a serving step would; ``plan_options``, such as ``config`` or ``programs``, go to
+        :func:`mla.plan`); ``mma-unplanned`` the call without one; ``tl_dot`` the portable
         ``tl.dot`` kernel forced, with the shipped config and small-grid rule (what runs off
         Hopper); ``flashmla`` FlashMLA's own call, its metadata object made here and filled by its
         first call."""
         if impl in ("mma", "tl_dot"):
-            cfg = None
             if impl == "tl_dot":
                 s, dev = self.shape, self.q.device
-                cfg = dispatch.fill_small_grid(dispatch.tl_dot_config(dev, s.h_q), s.b, s.s_q, s.h_q, s.topk_total,
-                                               dispatch.sm_count(dev))
-            plan = api.plan(self.q, self.cache, self.index_sets[0], **self.kwargs(0), config=cfg)
+                plan_options["config"] = dispatch.fill_small_grid(dispatch.tl_dot_config(dev, s.h_q), s.b, s.s_q,
+                                                                  s.h_q, s.topk_total, dispatch.sm_count(dev))
+            plan = api.plan(self.q, self.cache, self.index_sets[0], **self.kwargs(0), **plan_options)
 
             def call(i):
                 return api.sparse_decode(self.q, self.cache, self.index_sets[i], **self.kwargs(i), plan=plan)
@@ -578,16 +578,19 @@ def sweep(shapes=None, impls=SWEEP_IMPLS, out_dir="results", name="sweep", budge
 
 
 def sweep_ratios(doc: dict, impl: str = "mma") -> list[dict]:
-    """Per sweep point, ``impl``'s CUDA-graph time over FlashMLA's (padded where h_q < 64)."""
+    """Per sweep point, ``impl``'s CUDA-graph time over FlashMLA's, timed in the same run
+    (``padded``: FlashMLA's row says it ran padded to 64 heads, as it does below 64), with both
+    eager loops where they were timed and the kernel form and programs the launch rule picked."""
     by = {_sweep_key(r): r for r in doc["records"]}
     out = []
     for (shape, b, s_q, h_q, i), r in by.items():
         f = by.get((shape, b, s_q, h_q, "flashmla"))
         if i == impl and f is not None:
             out.append({"config": shape.removeprefix("sweep "), "b": b, "s_q": s_q, "h_q": h_q,
-                        "us": r["us_graph"], "us_flashmla": f["us_graph"], "ratio": r["us_graph"] / f["us_graph"],
+                        "lengths": bool(r.get("lengths")), "us": r["us_graph"], "us_flashmla": f["us_graph"],
+                        "ratio": r["us_graph"] / f["us_graph"], "padded": f.get("padded_to") is not None,
                         "eager": r.get("us_eager_loop"), "eager_flashmla": f.get("us_eager_loop"),
-                        "kernel": r.get("kernel")})
+                        "kernel": r.get("kernel"), "programs": r.get("programs")})
     return out
 
 
@@ -669,9 +672,9 @@ def host_cost(shapes=None, calls: int = 2000, reps: int = 5, h200: bool = True, 
     """Microseconds of Python per call before its launches, the fastest of ``reps`` loops of
     ``calls`` calls timed by ``timeit`` (the garbage collector off; the work is the same every
     call, so the fastest loop is the one the rest of the machine disturbed least), with a plan
-    and without one, at each shape
-    (one-block caches: the host's work depends on the shapes only). The kernel launches are
-    stubbed; with ``h200`` the launch rule plans as on an H200 whatever the device."""
+    and without one, at each shape (one-block caches: the host's work depends on the shapes
+    only). The kernel launches are stubbed; with ``h200`` the launch rule plans as on an H200
+    whatever the device."""
     rows = []
     dev = torch.device(device)
     for s in spec_shapes() if shapes is None else shapes:

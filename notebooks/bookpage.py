@@ -253,29 +253,19 @@ SWEEP_CONFIG_NAMES = {"DSA": "DSA", "CSA": "CSA", "HCA": "HCA-like", "long": "lo
 
 
 def sweep_ratios(impl: str = "mma", doc: dict | None = None):
-    """The sweep's points as a table, one row per (config, b, s_q, h_q) where ``impl`` and
-    FlashMLA were both timed (in the same run): ``impl``'s CUDA-graph time per call over
-    FlashMLA's. ``padded`` is the record's own word (FlashMLA's row has ``padded_to``): FlashMLA
-    runs 64 or 128 heads only, so at fewer heads its time is the padded 64-head one. ``doc`` is
-    a sweep record (default ``results/h200/sweep.json``). Also kept: the eager loops (``mma`` and
-    FlashMLA have them), the kernel form and the programs the launch rule picked."""
+    """The sweep's points as a table: :func:`mla.bench.sweep_ratios` (one row per (config, b, s_q,
+    h_q) where ``impl`` and FlashMLA were both timed, in the same run), with the page's names for
+    the configs and columns. ``padded`` is the record's own word (FlashMLA's row has
+    ``padded_to``): FlashMLA runs 64 or 128 heads only, so at fewer heads its time is the padded
+    64-head one. ``doc`` is a sweep record (default ``results/h200/sweep.json``)."""
     doc = load("sweep.json") if doc is None else doc
-    key = ("shape", "b", "s_q", "h_q")
-    fm = {tuple(r[k] for k in key): r for r in doc["records"] if r["impl"] == "flashmla"}
-    rows = []
-    for r in doc["records"]:
-        f = fm.get(tuple(r[k] for k in key))
-        if r["impl"] != impl or f is None:
-            continue
-        config = r["shape"].removeprefix("sweep ")
-        padded = f.get("padded_to") is not None
-        assert padded == (r["h_q"] < bench.FLASHMLA_HEADS[0]), (r, f)     # padded exactly below 64 heads
-        rows.append({"config": SWEEP_CONFIG_NAMES.get(config, config), "b": r["b"], "s_q": r["s_q"],
-                     "h_q": r["h_q"], "lengths": bool(r.get("lengths")), "ours us": r["us_graph"],
-                     "FlashMLA us": f["us_graph"], "ratio": r["us_graph"] / f["us_graph"], "padded": padded,
-                     "ours eager us": r.get("us_eager_loop"), "FlashMLA eager us": f.get("us_eager_loop"),
-                     "kernel": r.get("kernel"), "programs": r.get("programs")})
-    return pd.DataFrame(rows)
+    names = {"config": "config", "b": "b", "s_q": "s_q", "h_q": "h_q", "lengths": "lengths", "us": "ours us",
+             "us_flashmla": "FlashMLA us", "ratio": "ratio", "padded": "padded", "eager": "ours eager us",
+             "eager_flashmla": "FlashMLA eager us", "kernel": "kernel", "programs": "programs"}
+    df = pd.DataFrame(bench.sweep_ratios(doc, impl), columns=list(names)).rename(columns=names)
+    assert (df["padded"] == (df["h_q"] < bench.FLASHMLA_HEADS[0])).all()     # padded exactly below 64 heads
+    df["config"] = df["config"].map(lambda c: SWEEP_CONFIG_NAMES.get(c, c))
+    return df
 
 
 def _heat_panel(ax, grid, rows, cols, norm, cmap, title, fontsize=8):

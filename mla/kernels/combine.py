@@ -13,9 +13,8 @@ import triton.language as tl
 
 from .common import DIM, LN2, finish_softmax, sink_factor, to_bf16
 
-#: heads per program and warps of the combine's launch (eight heads a program in the work
-#: list's grid was tried and rejected: results/h200/mma_versions.json, "combine 8 heads")
-BLOCK_HC = 1
+#: warps of the combine's launch, whose programs take one head each (eight heads a program in the
+#: work list's grid was tried and rejected: results/h200/mma_versions.json, "combine 8 heads")
 NUM_WARPS = 2
 #: software-pipeline stages of the loop over pieces (its loads issued ahead of their use)
 NUM_STAGES = 3
@@ -57,8 +56,8 @@ def pieces_of(rec_ptr, p, num_splits, FLAT: tl.constexpr, BY_QUERY: tl.constexpr
 
 @triton.jit(do_not_specialize=["s_q", "h_q", "num_splits"])
 def combine_kernel(po_ptr, plse_ptr, rec_ptr, out_ptr, lse_ptr, sink_ptr, sink_stride, s_q, h_q, num_splits,
-                   HAS_SINK: tl.constexpr, BLOCK_HC: tl.constexpr, FLAT: tl.constexpr, BY_QUERY: tl.constexpr = 0):
-    """Merge the partials of one split query for one head (BLOCK_HC is 1); apply the sink. FLAT
+                   HAS_SINK: tl.constexpr, FLAT: tl.constexpr, BY_QUERY: tl.constexpr = 0):
+    """Merge the partials of one split query for one head; apply the sink. FLAT
     (the work list of ``num_splits`` shares): program ``p`` takes the split query whose first
     piece share ``p`` holds (its record, written by the decode: none, and the program returns,
     where share ``p`` starts no split query); with BY_QUERY, program ``q`` takes query row ``q``
@@ -68,7 +67,6 @@ def combine_kernel(po_ptr, plse_ptr, rec_ptr, out_ptr, lse_ptr, sink_ptr, sink_s
     One pass over the pieces with a running maximum (the online softmax over pieces). No load
     waits on another: a piece with no valid token has lse -inf, so weight 0, and a zero partial
     (the decode writes every piece's), so that its partial is read unmasked."""
-    tl.static_assert(BLOCK_HC == 1, "the combine takes one head a program")
     p = tl.program_id(0)
     head = tl.program_id(1)
     tok, n_pieces, first_slot, base_slot = pieces_of(rec_ptr, p, num_splits, FLAT, BY_QUERY)
@@ -103,12 +101,11 @@ def combine_kernel(po_ptr, plse_ptr, rec_ptr, out_ptr, lse_ptr, sink_ptr, sink_s
 
 
 def launch_params(programs: int, n_q: int, h_q: int, has_sink: bool, flat: bool) -> tuple:
-    """(grid, constexpr and launch keywords) of the combine for every BLOCK_HC heads: for the work
+    """(grid, constexpr and launch keywords) of the combine, one program per head of each: for the work
     list (``flat``) of ``programs`` shares, a program per share, or per query row where there are
     fewer query rows than shares (most shares then start no split query, and an empty program
     costs more than the lookup); for uniform splits, a program per query row."""
     by_query = flat and n_q < programs
     rows = programs if flat and not by_query else n_q
-    return (rows, (h_q + BLOCK_HC - 1) // BLOCK_HC), dict(HAS_SINK=has_sink, BLOCK_HC=BLOCK_HC, FLAT=int(flat),
-                                                         BY_QUERY=int(by_query), num_warps=NUM_WARPS,
-                                                         num_stages=NUM_STAGES)
+    return (rows, h_q), dict(HAS_SINK=has_sink, FLAT=int(flat), BY_QUERY=int(by_query), num_warps=NUM_WARPS,
+                             num_stages=NUM_STAGES)
