@@ -349,14 +349,8 @@ def planned_call(plan, sig, q, k_cache, indices, softmax_scale, attn_sink, topk_
               and lse.device == dev and lse.is_contiguous()):
         _check_output(lse, "lse", (b, h_q, s_q), torch.float32, dev)
     if plan.impl == "mma":
-        launcher = plan.launcher
-        if launcher.launch.align and (k_cache.data_ptr() % 16 or (extra_k_cache is not None
-                                                                   and extra_k_cache.data_ptr() % 16)):
-            fail("k_cache" if k_cache.data_ptr() % 16 else "extra_k_cache",
-                 "its address is not a multiple of 16 bytes, which the plan's Gluon kernel copies need: make a "
-                 "new plan for it")
-        launcher(q, k_cache, indices, attn_sink, topk_length, extra_k_cache, extra_indices, extra_topk_length, out,
-                 lse, *plan.workspace)
+        plan.launcher(q, k_cache, indices, attn_sink, topk_length, extra_k_cache, extra_indices, extra_topk_length,
+                      out, lse, *plan.workspace)
     else:
         args = (q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
                 extra_topk_length)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import operator
 
 import torch
 import triton
@@ -29,7 +30,7 @@ from .configs import GLUON_FORMS, GluonConfig, TlDotConfig
 from .kernels import combine, tl_dot
 from .kernels.common import LOG2E, fp8_native
 from .kernels.simt import simt_sparse_decode
-from .layout import D_QK
+from .layout import D_QK, fail
 
 #: tokens per ring stage of the Gluon kernel (its schedule's tile)
 GLUON_RING_N = 64
@@ -325,25 +326,49 @@ class Launcher:
         cgrid, ckw = combine.launch_params(launch.programs, b * s_q, h_q, attn_sink is not None, launch.flat)
         ctemplate = [None] * 6 + [0 if attn_sink is None else attn_sink.stride(0), s_q, h_q, launch.programs]
         self._combine = BoundLaunch(cgrid, ckw, ctemplate, _COMBINE_TENSORS, (), q.device)
+        self._workspace = self._workspace_addresses = None
 
     def __call__(self, q, k_cache, indices, attn_sink, topk_length, extra_k_cache, extra_indices, extra_topk_length,
                  out, lse, po=None, plse=None, rec=None) -> None:
         if rec is None:
             po, plse, rec = workspace(self.launch, self.n_q, 1, self.h_q, q.device)
+        combine_ = self.launch.combine
+        if not combine_:                 # no query is split: lse stands in for the partials
+            po = plse = lse
         sink = lse if attn_sink is None else attn_sink
         if self.has_extra:
             ec, eidx = extra_k_cache, extra_indices
         else:
             ec, eidx = k_cache, indices
-        combine_ = self.launch.combine
-        tensors = (q, out, lse, sink, po if combine_ else lse, plse if combine_ else lse, rec, k_cache, indices,
+        tensors = (q, out, lse, sink, po, plse, rec, k_cache, indices,
                    indices if topk_length is None else topk_length, ec, eidx,
                    indices if extra_topk_length is None else extra_topk_length)
-        addresses = _addresses(tensors)
+        addresses = self._addresses(tensors)
         self._decode(getattr(self._module, self._name), tensors, addresses)
         if combine_:      # the combine's tensors are the decode's partials, records, out, lse and sink
             self._combine(combine.combine_kernel, (po, plse, rec, out, lse, sink),
                           None if addresses is None else [addresses[i] for i in _COMBINE_FROM_DECODE])
+
+    def _addresses(self, tensors):
+        """The decode tensors' addresses (each distinct tensor asked once; the workspace's kept
+        while it is the same), or None when one is not a multiple of 16 bytes (Triton specializes
+        on that). A Gluon launch raises instead where a cache is not: its copies need it."""
+        q, out, lse, sink, po, plse, rec, k_cache, indices, lengths, ec, eidx, elengths = tensors
+        if rec is not self._workspace:
+            self._workspace, self._workspace_addresses = rec, (po.data_ptr(), plse.data_ptr(), rec.data_ptr())
+        a_lse, a_kc, a_idx = lse.data_ptr(), k_cache.data_ptr(), indices.data_ptr()
+        a_ec = a_kc if ec is k_cache else ec.data_ptr()
+        out = [q.data_ptr(), out.data_ptr(), a_lse, a_lse if sink is lse else sink.data_ptr(),
+               *self._workspace_addresses, a_kc, a_idx, a_idx if lengths is indices else lengths.data_ptr(),
+               a_ec, a_idx if eidx is indices else eidx.data_ptr(),
+               a_idx if elengths is indices else elengths.data_ptr()]
+        if not functools.reduce(operator.or_, out) & 15:
+            return out
+        if self.launch.align and (a_kc | a_ec) & 15:
+            fail("k_cache" if a_kc & 15 else "extra_k_cache",
+                 "its address is not a multiple of 16 bytes, which the plan's Gluon kernel copies need: make a "
+                 "new plan for it")
+        return None
 
 
 #: Triton's launcher takes every argument, constexprs included, from 3.3 on
@@ -354,7 +379,7 @@ def _addresses(tensors):
     """The tensors' addresses, or None when one is not a multiple of 16 bytes (Triton
     specializes on that)."""
     out = [t.data_ptr() for t in tensors]
-    return None if any(a % 16 for a in out) else out
+    return None if functools.reduce(operator.or_, out) & 15 else out
 
 
 def _hooked(hook) -> bool:

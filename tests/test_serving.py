@@ -434,3 +434,36 @@ def test_a_launchers_bound_launches_pass_every_parameter_of_the_real_kernels(ker
         for p in params[len(given):]:
             assert bound[p.name] == kw.get(p.name, p.default), p.name
         assert set(kw) - set(bound) <= {"num_warps", "num_stages", "num_ctas", "maxnreg"}
+
+
+@pytest.mark.parametrize("kernel", ["tl_dot", "gluon"])
+def test_a_cache_off_16_bytes_fails_a_gluon_launch_and_takes_tritons_path_otherwise(kernel, monkeypatch):
+    """The Gluon kernel's copies need caches at multiples of 16 bytes: a Launcher for it raises a
+    ValueError naming the cache; a tl.dot one launches through Triton's path, which specializes
+    on the address."""
+    if kernel == "gluon" and dispatch.gluon_sm90 is None:
+        pytest.skip("this Triton has no Gluon")
+    c = make_case(b=1, s_q=1, h_q=8, topk=16, page=16, seed=4)
+    if kernel == "gluon":
+        module, name, cfg, align = dispatch.gluon_sm90.kernel, "gluon_decode_kernel", mla.configs.GluonConfig(), 16
+    else:
+        module, name, cfg, align = dispatch.tl_dot, "tl_dot_decode_kernel", mla.configs.TlDotConfig(), 0
+    stand = _Recording(getattr(module, name), _Compiled())
+    monkeypatch.setattr(module, name, stand)
+    cache = c["k_cache"].view(torch.uint8)
+    buf = torch.empty(cache.numel() + 8, dtype=torch.uint8)
+    shifted = buf[8 if buf.data_ptr() % 16 == 0 else 0:][:cache.numel()].view(cache.shape)
+    shifted.copy_(cache)
+    assert shifted.data_ptr() % 16 == 8
+    launch = dispatch.Launch(cfg, 1, share=0, combine=False, align=align)
+    lr = dispatch.Launcher(launch, c["q"], shifted, c["indices"])
+    args = (c["q"], shifted, c["indices"], None, None, None, None, None, torch.empty_like(c["q"]),
+            torch.empty(1, 8, 1), *dispatch.workspace(launch, 1, 1, 8, "cpu"))
+    if kernel == "gluon":
+        with pytest.raises(ValueError, match="k_cache.*multiple of 16 bytes"):
+            lr(*args)
+        assert not stand.calls
+    else:
+        lr(*args)
+        lr(*args)
+        assert len(stand.calls) == 2 and not stand.returns.launches
