@@ -1,7 +1,7 @@
 """Dev tool (GPU): the portable tl.dot kernel forced into a few configs at some record shapes,
-CUDA-graph time per call: the shipped table's config, which spills in its token-tile loop under
-Triton 3.6 ahead of time for sm_90, against forms that do not (two programs a head block, each
-with half of the output columns, at 8 warps).
+CUDA-graph time per call: the shipped table's config and small-grid rule, the small-grid form
+at 4 warps (its form before v34, which spills in its token-tile loop ahead of time for sm_90),
+and large-grid configs with more stages or smaller token tiles (fewer spills ahead of time).
 
     python experiments/tl_dot_forms.py OUT.json [--budget-s S]
 """
@@ -22,10 +22,10 @@ from mla import bench  # noqa: E402
 from mla.configs import TlDotConfig  # noqa: E402
 
 CONFIGS = {"rule": None,          # the shipped config and small-grid rule (impl "tl_dot")
-           "8 warps, 2 stages": TlDotConfig(64, 64, 8, 2, 1),
-           "split P.V, 8 warps, 2 stages": TlDotConfig(64, 64, 8, 2, 2),
-           "split P.V, 8 warps, 1 stage": TlDotConfig(64, 64, 8, 1, 2),
-           "split P.V, 4 warps, 1 stage": TlDotConfig(64, 64, 4, 1, 2)}
+           "split P.V, 4 warps, 1 stage": TlDotConfig(64, 64, 4, 1, 2),
+           "8 warps, 1 stage": TlDotConfig(64, 64, 8, 1, 1),
+           "8 warps, 3 stages": TlDotConfig(64, 64, 8, 3, 1),
+           "32-token tiles, 8 warps, 3 stages": TlDotConfig(64, 32, 8, 3, 1)}
 SHAPES = [("DSA", 1), ("DSA", 8), ("DSA", 128), ("V4-CSA", 32), ("V4-CSA", 128)]
 
 

@@ -77,12 +77,13 @@ def small_grid(cfg, b: int, s_q: int, h_q: int, topk_total: int, sms: int) -> bo
 
 def fill_small_grid(cfg: TlDotConfig, b: int, s_q: int, h_q: int, topk_total: int, sms: int) -> TlDotConfig:
     """The ``tl.dot`` config, adjusted for a grid too small to fill the GPU (:func:`small_grid`):
-    when the head block is 64, two programs per head block (``dv_halves=2``, one warpgroup each).
-    Each repeats S = Q.K^T but owns half of P.V, so twice as many SMs work on the same query. At
-    larger grids the repeated Q.K^T and the 4-warp programs cost more than they gain."""
+    when the head block is 64, two programs per head block (``dv_halves=2``) of 8 warps and one
+    stage. Each repeats S = Q.K^T but owns half of P.V, so twice as many SMs work on the same
+    query; at 8 warps its 256 accumulator columns and Q stay in registers (at 4 warps the loop
+    spills). At larger grids the repeated Q.K^T costs more than it gains."""
     if cfg.dv_halves != 1 or cfg.block_h != 64 or not small_grid(cfg, b, s_q, h_q, topk_total, sms):
         return cfg
-    return dataclasses.replace(cfg, dv_halves=2, num_warps=4, num_stages=1)
+    return dataclasses.replace(cfg, dv_halves=2, num_warps=8, num_stages=1)
 
 
 def tokens_as_m(b: int, s_q: int, h_q: int, sms: int) -> GluonConfig:
