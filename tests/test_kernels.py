@@ -194,7 +194,7 @@ def test_fill_small_grid_splits_head_blocks_only_when_the_grid_is_small():
     # DSA (topk 2048 = 32 tiles): 32 or 64 programs at b 1 or 2 fill under half of 132 SMs
     for b in (1, 2):
         got = dispatch.fill_small_grid(h64, b, 1, 64, 2048, 132)
-        assert (got.dv_halves, got.num_warps, got.num_stages) == (2, 4, 1), (b, got)
+        assert (got.dv_halves, got.num_warps, got.num_stages) == (2, 8, 1), (b, got)
     for b in (3, 8, 128):
         assert dispatch.fill_small_grid(h64, b, 1, 64, 2048, 132) == h64
     # V4-CSA (640 tokens = 10 tiles) up to b = 6; s_q counts like b
