@@ -1,4 +1,5 @@
 """mla.tuning: the mla side of every autotuner pitfall of chapter 5, and the shipped-config path."""
+import dataclasses
 import functools
 import json
 import logging
@@ -178,11 +179,11 @@ def test_shared_memory_pruner_logic_with_a_fake_report(monkeypatch, caplog):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_prune_by_shared_memory_drops_a_config_that_does_not_fit_sm120():
-    """Two real AOT compiles for sm_120 (99 KB): a small config fits, the H200's two-stage h_q-64
-    config does not."""
+    """Two real AOT compiles for sm_120 (99 KB): a small config fits, the H200's h_q-64 tile at
+    two stages does not."""
     one = TlDotConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
-    two = configs.table_for("NVIDIA H200", "3.6", 90)[1][64]
-    assert two.num_stages == 2
+    two = dataclasses.replace(configs.table_for("NVIDIA H200", "3.6", 90)[1][64], num_stages=2)
+    assert (two.block_h, two.block_n, two.num_warps) == (64, 64, 8)
     report = tuning.shared_memory([one, two], 120)
     assert all("error" not in r for r in report), report
     assert report[0]["shared"] <= aot.SMEM_LIMIT[120] < report[1]["shared"]
