@@ -12,7 +12,6 @@ the pieces (below), over its launch's warps and pipeline stages (``combine.NUM_W
 """
 import argparse
 import itertools
-import json
 import pathlib
 import sys
 
@@ -25,24 +24,11 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from experiments import write_rows  # noqa: E402
 from experiments.kernel_times import kernel_us  # noqa: E402
 from mla import bench  # noqa: E402
 from mla.kernels import combine  # noqa: E402
-from mla.kernels.combine import DIM, LN2, _slot, finish_softmax, pieces_of, sink_factor, to_bf16  # noqa: E402
-
-
-@triton.jit
-def _finish(acc, wsum, m_safe, tok, head, s_q, h_q, out_ptr, lse_ptr, sink_ptr, sink_stride, HAS_SINK: tl.constexpr):
-    b = tok // s_q
-    c = tl.arange(0, DIM)
-    empty, wsafe, lse2 = finish_softmax(wsum, m_safe)
-    lse = lse2 * LN2
-    out = acc / wsafe
-    if HAS_SINK:
-        out = out * sink_factor(tl.load(sink_ptr + head * sink_stride), lse, empty)
-    out = tl.where(empty, 0.0, out)
-    tl.store(out_ptr + (tok.to(tl.int64) * h_q + head) * DIM + c, to_bf16(out))
-    tl.store(lse_ptr + (b * h_q + head) * s_q + (tok - b * s_q), tl.where(empty, float("inf"), lse))
+from mla.kernels.combine import DIM, _slot, pieces_of, store_query  # noqa: E402
 
 
 @triton.jit(do_not_specialize=["s_q", "h_q", "num_splits"])
@@ -65,7 +51,8 @@ def two_passes(po_ptr, plse_ptr, rec_ptr, out_ptr, lse_ptr, sink_ptr, sink_strid
             o = tl.load(po_ptr + row * DIM + c, mask=(c * 0 + w) > 0, other=0.0).to(tl.float32)
             wsum += w
             acc += w * o
-        _finish(acc, wsum, m_safe, tok, head, s_q, h_q, out_ptr, lse_ptr, sink_ptr, sink_stride, HAS_SINK)
+        store_query(acc, wsum, m_safe, tok, tok // s_q, tok % s_q, head, s_q, h_q, out_ptr, lse_ptr, sink_ptr,
+                    sink_stride, HAS_SINK)
 
 
 @triton.jit(do_not_specialize=["s_q", "h_q", "num_splits"])
@@ -90,8 +77,8 @@ def one_pass_masked(po_ptr, plse_ptr, rec_ptr, out_ptr, lse_ptr, sink_ptr, sink_
             wsum = wsum * scale + w
             acc = acc * scale + w * o
             m = m_new
-        _finish(acc, wsum, tl.where(m == float("-inf"), 0.0, m), tok, head, s_q, h_q, out_ptr, lse_ptr, sink_ptr,
-                sink_stride, HAS_SINK)
+        store_query(acc, wsum, m, tok, tok // s_q, tok % s_q, head, s_q, h_q, out_ptr, lse_ptr, sink_ptr,
+                    sink_stride, HAS_SINK)
 
 
 @triton.jit(do_not_specialize=["s_q", "h_q", "num_splits"])
@@ -118,8 +105,8 @@ def pieces_a_step(po_ptr, plse_ptr, rec_ptr, out_ptr, lse_ptr, sink_ptr, sink_st
             wsum = wsum * scale + tl.sum(w, 0)
             acc = acc * scale + tl.sum(w[:, None] * o, 0)
             m = m_new
-        _finish(acc, wsum, tl.where(m == float("-inf"), 0.0, m), tok, head, s_q, h_q, out_ptr, lse_ptr, sink_ptr,
-                sink_stride, HAS_SINK)
+        store_query(acc, wsum, m, tok, tok // s_q, tok % s_q, head, s_q, h_q, out_ptr, lse_ptr, sink_ptr,
+                    sink_stride, HAS_SINK)
 
 
 KERNELS = {"shipped": combine.combine_kernel, "two passes": two_passes, "one pass, masked": one_pass_masked,
@@ -154,8 +141,7 @@ def main(argv=None):
                          "kernels": kernel_us(case, call), "us_graph": round(bench.time_graph(case, call), 2)})
             print(rows[-1], flush=True)
         del case
-    pathlib.Path(a.out).write_text(json.dumps({"provenance": bench.provenance(bench.ceilings(dev)), "rows": rows},
-                                              indent=1) + "\n")
+    write_rows(a.out, rows, dev)
 
 
 if __name__ == "__main__":

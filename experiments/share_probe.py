@@ -7,7 +7,6 @@ beside the share the launch rule picks.
     python experiments/share_probe.py OUT.json [--budget-s S]
 """
 import argparse
-import json
 import pathlib
 import sys
 import time
@@ -19,6 +18,7 @@ if str(ROOT) not in sys.path:
 import mla  # noqa: E402  (first: it may turn Triton's interpreter on)
 import torch  # noqa: E402
 
+from experiments import write_rows  # noqa: E402
 from mla import bench, dispatch, schedule  # noqa: E402
 from mla.kernels import combine  # noqa: E402
 
@@ -77,9 +77,7 @@ def main(argv=None):
                          "us_graph": round(us, 2)})
             print(rows[-1], flush=True)
         del case
-    doc = {"provenance": bench.provenance(bench.ceilings(dev)), "combine": [combine.NUM_WARPS, combine.NUM_STAGES],
-           "rows": rows, "seconds": round(time.time() - t0, 1)}
-    pathlib.Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
+    write_rows(a.out, rows, dev, combine=[combine.NUM_WARPS, combine.NUM_STAGES], seconds=round(time.time() - t0, 1))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ and large-grid configs with more stages or smaller token tiles (fewer spills ahe
     python experiments/tl_dot_forms.py OUT.json [--budget-s S]
 """
 import argparse
-import json
 import pathlib
 import sys
 import time
@@ -18,6 +17,7 @@ if str(ROOT) not in sys.path:
 import mla  # noqa: E402  (first: it may turn Triton's interpreter on)
 import torch  # noqa: E402
 
+from experiments import write_rows  # noqa: E402
 from mla import bench  # noqa: E402
 from mla.configs import TlDotConfig  # noqa: E402
 
@@ -51,8 +51,7 @@ def main(argv=None):
                          "us_graph": round(bench.time_graph(case, call), 2)})
             print(rows[-1], flush=True)
         del case
-    pathlib.Path(a.out).write_text(json.dumps({"provenance": bench.provenance(bench.ceilings(dev)), "rows": rows},
-                                              indent=1) + "\n")
+    write_rows(a.out, rows, dev)
 
 
 if __name__ == "__main__":

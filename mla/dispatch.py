@@ -359,12 +359,12 @@ class Launcher:
             self._workspace, self._workspace_addresses = rec, (po.data_ptr(), plse.data_ptr(), rec.data_ptr())
         a_lse, a_kc, a_idx = lse.data_ptr(), k_cache.data_ptr(), indices.data_ptr()
         a_ec = a_kc if ec is k_cache else ec.data_ptr()
-        out = [q.data_ptr(), out.data_ptr(), a_lse, a_lse if sink is lse else sink.data_ptr(),
-               *self._workspace_addresses, a_kc, a_idx, a_idx if lengths is indices else lengths.data_ptr(),
-               a_ec, a_idx if eidx is indices else eidx.data_ptr(),
-               a_idx if elengths is indices else elengths.data_ptr()]
-        if not functools.reduce(operator.or_, out) & 15:
-            return out
+        addresses = [q.data_ptr(), out.data_ptr(), a_lse, a_lse if sink is lse else sink.data_ptr(),
+                     *self._workspace_addresses, a_kc, a_idx, a_idx if lengths is indices else lengths.data_ptr(),
+                     a_ec, a_idx if eidx is indices else eidx.data_ptr(),
+                     a_idx if elengths is indices else elengths.data_ptr()]
+        if not functools.reduce(operator.or_, addresses) & 15:
+            return addresses
         if self.launch.align and (a_kc | a_ec) & 15:
             fail("k_cache" if a_kc & 15 else "extra_k_cache",
                  "its address is not a multiple of 16 bytes, which the plan's Gluon kernel copies need: make a "

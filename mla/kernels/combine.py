@@ -54,6 +54,25 @@ def pieces_of(rec_ptr, p, num_splits, FLAT: tl.constexpr, BY_QUERY: tl.constexpr
     return tok, n_pieces, first_slot, base_slot
 
 
+@triton.jit
+def store_query(acc, wsum, m, tok, b, s_idx, head, s_q, h_q, out_ptr, lse_ptr, sink_ptr, sink_stride,
+                HAS_SINK: tl.constexpr):
+    """The end of a query's merge for one head: ``acc`` and ``wsum``, the weighted sum of its
+    pieces' partials and of their weights relative to the running maximum ``m`` (log2 units),
+    to query row ``tok``'s output (sink applied; 0 for a query with no valid token) and its lse
+    (natural log; +inf there), at batch ``b`` and position ``s_idx``, which the caller computes
+    before its loop (after it, ptxas keeps the row out of the uniform registers)."""
+    c = tl.arange(0, DIM)
+    empty, wsafe, lse2 = finish_softmax(wsum, tl.where(m == float("-inf"), 0.0, m))
+    lse = lse2 * LN2
+    out = acc / wsafe
+    if HAS_SINK:
+        out = out * sink_factor(tl.load(sink_ptr + head * sink_stride), lse, empty)
+    out = tl.where(empty, 0.0, out)
+    tl.store(out_ptr + (tok.to(tl.int64) * h_q + head) * DIM + c, to_bf16(out))
+    tl.store(lse_ptr + (b * h_q + head) * s_q + s_idx, tl.where(empty, float("inf"), lse))
+
+
 @triton.jit(do_not_specialize=["s_q", "h_q", "num_splits"])
 def combine_kernel(po_ptr, plse_ptr, rec_ptr, out_ptr, lse_ptr, sink_ptr, sink_stride, s_q, h_q, num_splits,
                    HAS_SINK: tl.constexpr, FLAT: tl.constexpr, BY_QUERY: tl.constexpr = 0):
@@ -88,16 +107,7 @@ def combine_kernel(po_ptr, plse_ptr, rec_ptr, out_ptr, lse_ptr, sink_ptr, sink_s
             wsum = wsum * scale + w
             acc = acc * scale + w * o
             m = m_new
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        empty, wsafe, lse2 = finish_softmax(wsum, m_safe)
-        lse = lse2 * LN2
-        out = acc / wsafe
-        if HAS_SINK:
-            sink = tl.load(sink_ptr + head * sink_stride)
-            out = out * sink_factor(sink, lse, empty)
-        out = tl.where(empty, 0.0, out)
-        tl.store(out_ptr + (tok.to(tl.int64) * h_q + head) * DIM + c, to_bf16(out))
-        tl.store(lse_ptr + (b * h_q + head) * s_q + s_idx, tl.where(empty, float("inf"), lse))
+        store_query(acc, wsum, m, tok, b, s_idx, head, s_q, h_q, out_ptr, lse_ptr, sink_ptr, sink_stride, HAS_SINK)
 
 
 def launch_params(programs: int, n_q: int, h_q: int, has_sink: bool, flat: bool) -> tuple:
