@@ -34,8 +34,9 @@ def shapes():
 
 
 def candidate_shares(n_q, units, slots):
-    """The shares the model weighs (:func:`mla.schedule.choose_share`), each query cut into 1 to
-    8 pieces, and the equal cut over every slot."""
+    """Share sizes like those the model weighs (:func:`mla.schedule.choose_cut`), each query cut
+    into 1 to 8 pieces, and the equal cut over every slot; forced as program counts, each is
+    run as balanced shares of about that size."""
     least = schedule.cdiv(n_q * units, slots)
     out = {schedule.cdiv(n_q, slots) * units, least}
     out.update(schedule.cdiv(units, m) for m in range(1, min(units, 8) + 1) if schedule.cdiv(units, m) >= least)
@@ -73,7 +74,7 @@ def main(argv=None):
             us = bench.time_graph(case, call)
             rows.append({"shape": s.name, "b": s.b, "s_q": s.s_q, "h_q": s.h_q, "units": units, "n_q": n_q,
                          "heads_blocks": heads, "form": cfg.label, "programs": plan.launch.programs,
-                         "share": plan.launch.share, "chosen": plan.launch.share == chosen.launch.share,
+                         "share": plan.launch.share, "chosen": plan.launch.programs == chosen.launch.programs,
                          "us_graph": round(us, 2)})
             print(rows[-1], flush=True)
         del case

@@ -321,10 +321,18 @@ def provenance(ceil: dict) -> dict:
 
 
 def flashmla_provenance() -> dict:
-    """Which FlashMLA ran: its version string (it carries the commit it was built from) and where
-    it was imported from."""
-    return {"version": getattr(flash_mla, "__version__", "unknown"), "path": os.path.dirname(flash_mla.__file__),
-            "commit": os.environ.get("FLASHMLA_COMMIT", "unknown"), "flags": os.environ.get("FLASHMLA_FLAGS", "")}
+    """Which FlashMLA ran: its version string, where it was imported from, and its build: the
+    ``BUILD_INFO.json`` that ``scripts/build_flashmla.sh`` writes beside it (its commit, target,
+    sources), else ``$FLASHMLA_COMMIT`` and ``$FLASHMLA_FLAGS``."""
+    path = os.path.dirname(flash_mla.__file__)
+    out = {"version": getattr(flash_mla, "__version__", "unknown"), "path": path,
+           "commit": os.environ.get("FLASHMLA_COMMIT", "unknown"), "flags": os.environ.get("FLASHMLA_FLAGS", "")}
+    info = os.path.join(path, "BUILD_INFO.json")
+    if os.path.exists(info):
+        with open(info) as f:
+            build = json.load(f)
+        out.update(commit=build.get("commit", out["commit"]), build=build)
+    return out
 
 
 def code_commit(cwd=None) -> str:
@@ -853,7 +861,7 @@ def predicted_variants(shape_names=None, batches=range(1, 257), h200: bool = Tru
                 cfg, programs, share = dispatch.decide(facts[1], facts[2], facts[0], b, s0.s_q, s0.h_q, s0.topk,
                                                        s0.extra_topk, 16)
                 launch = dispatch.Launch(cfg, programs, share)
-                combine_ = dispatch.needs_combine(launch, s0.topk, s0.extra_topk, False)
+                combine_ = dispatch.needs_combine(launch, b * s0.s_q, s0.topk, s0.extra_topk, False)
             else:
                 launch = dispatch.plan_launch(torch.device("cuda"), b, s0.s_q, s0.h_q, s0.topk, s0.extra_topk, 16)
                 cfg, combine_ = launch.config, launch.combine

@@ -112,9 +112,10 @@ def choose_config(cfg: TlDotConfig, gluon: bool, b: int, s_q: int, h_q: int, top
 
 def programs_for(cfg, n_q: int, h_q: int, topk: int, extra_topk: int, sms: int, has_lengths: bool) -> tuple:
     """(programs, share) of a call: for the flat work list (:mod:`mla.schedule`), the persistent
-    programs per head block and the share size in units, 0 where the kernel takes it from the
-    lengths on the device (the programs then being as many as the GPU runs at once); for the
-    two-consumer form, the uniform splits of each query (:func:`num_splits`) and 0."""
+    programs per head block and the share size in units, 0 for shares balanced over the programs
+    (:func:`mla.schedule.share_range`; with lengths, always, the kernel summing them on the
+    device over as many programs as the GPU runs at once); for the two-consumer form, the
+    uniform splits of each query (:func:`num_splits`) and 0."""
     if cfg.kernel == "gluon" and cfg.two_consumers:
         return num_splits(n_q, 1, h_q, topk + extra_topk, cfg.block_h, cfg.block_n, 1, sms), 0
     heads = _cdiv(h_q, cfg.block_h) * getattr(cfg, "dv_halves", 1)
@@ -126,8 +127,7 @@ def programs_for(cfg, n_q: int, h_q: int, topk: int, extra_topk: int, sms: int, 
     units = schedule.query_units(topk, extra_topk, block_n, unit)[1]
     if has_lengths:
         return min(slots, n_q * units), 0
-    share = schedule.choose_share(n_q, units, slots)
-    return _cdiv(n_q * units, share), share
+    return schedule.choose_cut(n_q, units, slots)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +156,7 @@ class Launch:
     def label(self) -> str:
         if not self.flat:
             return f"{self.config.label}, {self.programs} split(s) per query"
-        cut = f"shares of {self.share} units" if self.share else "shares from the lengths"
+        cut = f"shares of {self.share} units" if self.share else "balanced shares"
         return f"{self.config.label}, {self.programs} program(s), {cut}"
 
 
@@ -222,7 +222,7 @@ def plan_launch(device: torch.device, b: int, s_q: int, h_q: int, topk: int, ext
                 has_lengths: bool = False, config=None, programs: int | None = None) -> Launch:
     """The launch for these shapes on ``device``; ``align`` is :func:`gluon_align` of the caches
     (0 where there is no Gluon). ``config`` and ``programs`` force a choice (tests, experiments):
-    ``programs`` shares of the work list cut equally (or uniform splits of each query, for the
+    ``programs`` balanced shares of the work list (or uniform splits of each query, for the
     two-consumer form)."""
     sms, table, gluon, native = _facts(device)
     if config is not None:
@@ -243,18 +243,19 @@ def plan_launch(device: torch.device, b: int, s_q: int, h_q: int, topk: int, ext
     if programs is None:
         programs, share = programs_for(cfg, n_q, h_q, topk, extra_topk, sms, has_lengths)
     else:
-        share = 0 if has_lengths else _cdiv(n_q * _units(cfg, topk, extra_topk), programs)
+        share = 0
     launch = Launch(cfg, programs, share, True, align if cfg.kernel == "gluon" else 0, native)
-    return dataclasses.replace(launch, combine=needs_combine(launch, topk, extra_topk, has_lengths))
+    return dataclasses.replace(launch, combine=needs_combine(launch, n_q, topk, extra_topk, has_lengths))
 
 
-def needs_combine(launch: Launch, topk: int, extra_topk: int, has_lengths: bool) -> bool:
+def needs_combine(launch: Launch, n_q: int, topk: int, extra_topk: int, has_lengths: bool) -> bool:
     """Whether a launch may split a query, so that the combine must run: with lengths on the
-    device, always; else where the shares do not fall on query boundaries (for the two-consumer
-    form, where each query has more than one split)."""
+    device, always; else where a share ends inside a query (for the two-consumer form, where
+    each query has more than one split)."""
     if not launch.flat:
         return launch.programs > 1
-    return has_lengths or launch.share % _units(launch.config, topk, extra_topk) != 0
+    units = _units(launch.config, topk, extra_topk)
+    return has_lengths or schedule.splits_a_query(n_q, units, launch.programs, launch.share)
 
 
 def workspace(launch: Launch, b: int, s_q: int, h_q: int, device) -> tuple:

@@ -1,12 +1,12 @@
 """The work list of a call, as FlashMLA's tile scheduler has it: every query row's token tiles
-(the main cache's, then the extra cache's) laid end to end, cut into equal shares, one share per
-persistent program. A query is split only where a share ends, and only split queries are
+(the main cache's, then the extra cache's) laid end to end, cut into shares that differ by at
+most one unit (or, where that is cheaper, every ``share`` units), one share per persistent program. A query is split only where a share ends, and only split queries are
 combined.
 
 The kernels compute the cut themselves, from the shapes and, where ``topk_length`` or
 ``extra_topk_length`` is given, from the lengths on the device (:func:`mla.kernels.common.share_bounds`):
 no host sync, so the call stays capturable. This module is the same work list on the host:
-the reference the tests hold the kernels to, and the cost model that picks the share size when
+the reference the tests hold the kernels to, and the cost model that picks the cut when
 every query has the same number of tiles (no lengths), where it is known before the call.
 
 A program's time, in token tiles: the tiles of its share, plus a fixed cost per piece (a query
@@ -52,21 +52,32 @@ class Piece:
     slot: int
 
 
-def work_list(units: list[int], num_programs: int, share: int = 0) -> tuple[int, list[Piece]]:
-    """(share size, pieces) of the flat schedule: queries of ``units`` units each, laid end to end,
-    cut every ``share`` units (``share`` 0: into ``num_programs`` equal shares, as the kernels do
-    when the lengths are on the device). Program ``p`` takes units ``[p*share, (p+1)*share)``;
-    its first query's partial goes to slot ``2p``, any other split piece (its last query's) to
-    ``2p + 1``."""
+def share_range(p: int, total: int, num_programs: int, share: int = 0) -> tuple[int, int]:
+    """Units ``[x0, x1)`` of program ``p``'s share of ``total`` units: cut every ``share`` units,
+    or (``share`` 0) balanced over ``num_programs`` programs, program p taking
+    ``[floor(p*total/P), floor((p+1)*total/P))`` so that shares differ by at most one unit."""
+    if share:
+        return p * share, min((p + 1) * share, total)
+    return p * total // num_programs, (p + 1) * total // num_programs
+
+
+def work_list(units: list[int], num_programs: int, share: int = 0) -> list[Piece]:
+    """The pieces of the flat schedule: queries of ``units`` units each, laid end to end, cut
+    every ``share`` units into ``cdiv(total, share)`` programs, or (``share`` 0) into
+    ``num_programs`` balanced shares (:func:`share_range`), as the kernels do when the lengths
+    are on the device. A program's first query's partial goes to slot ``2p``, any other split
+    piece (its last query's) to ``2p + 1``."""
     total = sum(units)
-    share = share or cdiv(total, num_programs)
+    programs = cdiv(total, share) if share else num_programs
     starts, c = [], 0
     for u in units:
         starts.append(c)
         c += u
     pieces, q = [], 0
-    for p in range(cdiv(total, share)):
-        x0, x1 = p * share, min((p + 1) * share, total)
+    for p in range(programs):
+        x0, x1 = share_range(p, total, num_programs, share)
+        if x0 >= x1:
+            continue
         while starts[q] + units[q] <= x0:
             q += 1
         first = q
@@ -75,7 +86,16 @@ def work_list(units: list[int], num_programs: int, share: int = 0) -> tuple[int,
                 break
             lo, hi = max(x0 - starts[j], 0), min(x1 - starts[j], units[j])
             pieces.append(Piece(p, j, lo, hi, lo > 0 or hi < units[j], 2 * p + (j != first)))
-    return share, pieces
+    return pieces
+
+
+def splits_a_query(n_q: int, units: int, num_programs: int, share: int = 0) -> bool:
+    """Whether the cut of :func:`work_list` splits any of ``n_q`` queries of ``units`` units
+    each: whether a share ends inside a query."""
+    total = n_q * units
+    if share:
+        return share % units != 0 and share < total
+    return any((p * total // num_programs) % units for p in range(1, num_programs))
 
 
 def span(pieces: list[Piece]) -> dict:
@@ -86,21 +106,26 @@ def span(pieces: list[Piece]) -> dict:
     return cost
 
 
-def modelled_time(units: list[int], share: int) -> float:
-    """The model's time of a call cut every ``share`` units: the slowest program, plus the
-    combine where any query is split."""
-    _, pieces = work_list(units, 1, share)
+def modelled_time(units: list[int], num_programs: int, share: int = 0) -> float:
+    """The model's time of a call cut as :func:`work_list` cuts it: the slowest program, plus
+    the combine where any query is split."""
+    pieces = work_list(units, num_programs, share)
     return max(span(pieces).values()) + COMBINE_TILES * any(p.split for p in pieces)
 
 
 @functools.lru_cache(maxsize=4096)
-def choose_share(n_q: int, units: int, programs: int) -> int:
-    """The share size for ``n_q`` queries of ``units`` units each on at most ``programs``
-    persistent programs, by the model: whole queries per program (no combine), or each query cut
-    into ``m`` pieces, or the equal cut; the cheapest, the larger share on a tie."""
+def choose_cut(n_q: int, units: int, programs: int) -> tuple[int, int]:
+    """(programs, share) for ``n_q`` queries of ``units`` units each on at most ``programs``
+    persistent programs, by the model. It weighs cuts every ``share`` units (whole queries per
+    program, which needs no combine; each query cut into ``m`` pieces; the least share that fits
+    the programs) and balanced cuts (``share`` 0, :func:`share_range`: each query into ``m``
+    pieces on ``n_q * m`` programs, or all the work over all the programs), and returns the
+    cheapest; on a tie, the fewest programs, then the fixed share."""
     total = n_q * units
     least = cdiv(total, programs)
-    candidates = {cdiv(n_q, programs) * units, least}
-    candidates.update(cdiv(units, m) for m in range(2, units + 1) if cdiv(units, m) >= least)
+    shares = {cdiv(n_q, programs) * units, least}
+    shares.update(cdiv(units, m) for m in range(2, units + 1) if cdiv(units, m) >= least)
+    candidates = {(cdiv(total, s), s) for s in shares} | {(programs, 0)}
+    candidates.update((n_q * m, 0) for m in range(1, min(units, programs // n_q) + 1))
     per = [units] * n_q
-    return min(sorted(candidates, reverse=True), key=lambda s: modelled_time(per, s))
+    return min(candidates, key=lambda c: (modelled_time(per, *c), c[0], c[1] == 0))

@@ -220,3 +220,29 @@ def test_code_commit_names_the_head_and_marks_a_tree_that_differs_from_it(tmp_pa
     assert bench.code_commit(tmp_path) == head + "+dirty"
     monkeypatch.setenv("MLA_COMMIT", "abc1234")
     assert bench.code_commit(tmp_path) == "abc1234"
+
+
+def test_the_flashmla_provenance_names_the_build_that_the_script_wrote(tmp_path, monkeypatch):
+    pkg = tmp_path / "flash_mla"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    monkeypatch.setattr(bench, "flash_mla", type(sys)("flash_mla"))
+    bench.flash_mla.__file__ = str(pkg / "__init__.py")
+    monkeypatch.setenv("FLASHMLA_COMMIT", "from-env")
+    assert bench.flashmla_provenance()["commit"] == "from-env" and "build" not in bench.flashmla_provenance()
+    build = {"commit": "9241ae3", "arch": "sm_90a", "registered": ["sparse_decode_fwd"]}
+    (pkg / "BUILD_INFO.json").write_text(json.dumps(build))
+    got = bench.flashmla_provenance()
+    assert got["commit"] == "9241ae3" and got["build"] == build and got["path"] == str(pkg)
+
+
+def test_the_flashmla_build_script_refuses_a_folder_that_is_not_a_flashmla_checkout(tmp_path):
+    script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "build_flashmla.sh"
+    usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    assert usage.returncode == 2 and "SRC_DIR" in usage.stdout
+    wrong = subprocess.run(["bash", str(script), str(tmp_path)], capture_output=True, text=True)
+    assert wrong.returncode == 2 and "is not a FlashMLA checkout" in wrong.stderr
+    (tmp_path / "csrc" / "api").mkdir(parents=True)
+    (tmp_path / "csrc" / "api" / "sparse_decode.h").write_text("")
+    old = subprocess.run(["bash", str(script), str(tmp_path)], capture_output=True, text=True)
+    assert old.returncode == 2 and "has no csrc/smxx/decode" in old.stderr       # a tree it does not know

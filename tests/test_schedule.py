@@ -22,7 +22,7 @@ from mla.validate import make_case, run_case
 from conftest import DEVICE
 
 
-def _check_cover(units, pieces, share):
+def _check_cover(units, pieces, programs, share):
     """Every unit of every query in exactly one piece; each program's pieces contiguous and within
     its share; a query split exactly when it has more than one piece."""
     got = {q: [] for q in range(len(units))}
@@ -39,24 +39,37 @@ def _check_cover(units, pieces, share):
     for pc in pieces:
         by_program.setdefault(pc.program, []).append(pc)
     start = [sum(units[:q]) for q in range(len(units))]
+    total = sum(units)
+    sizes = []
     for p, mine in by_program.items():
         flat = [(start[pc.q] + pc.lo, start[pc.q] + pc.hi) for pc in mine]
-        assert flat[0][0] == p * share and flat[-1][1] == min((p + 1) * share, sum(units))
+        if share:
+            assert (flat[0][0], flat[-1][1]) == (p * share, min((p + 1) * share, total))
+        else:
+            assert (flat[0][0], flat[-1][1]) == (p * total // programs, (p + 1) * total // programs)
+        sizes.append(flat[-1][1] - flat[0][0])
         assert all(a[1] == b[0] for a, b in zip(flat, flat[1:]))
         # the slots of a program's split pieces: its first query's is 2p, any other's 2p + 1
         assert [pc.slot for pc in mine] == [2 * p] + [2 * p + 1] * (len(mine) - 1)
         assert sum(pc.split for pc in mine[1:-1]) == 0       # only the first and last can be split
+    if not share:                                            # balanced: shares differ by at most one unit
+        assert max(sizes) - min(sizes) <= 1 and max(sizes) == -(-total // programs)
 
 
 @settings(max_examples=300, deadline=None)
 @given(units=st.lists(st.integers(1, 40), min_size=1, max_size=60), programs=st.integers(1, 140),
        share=st.integers(0, 80))
 def test_the_work_list_assigns_every_tile_exactly_once(units, programs, share):
-    cut, pieces = schedule.work_list(units, programs, share)
-    assert cut == (share or math.ceil(sum(units) / programs))
+    pieces = schedule.work_list(units, programs, share)
+    used = {pc.program for pc in pieces}
     if share == 0:
-        assert len({pc.program for pc in pieces}) <= programs
-    _check_cover(units, pieces, cut)
+        assert len(used) == min(programs, sum(units)) and max(used) < programs   # no idle program while units last
+    else:
+        assert used == set(range(math.ceil(sum(units) / share)))
+    _check_cover(units, pieces, programs, share)
+    n_q, per = len(units), units[0]
+    if units == [per] * n_q:                                   # the closed form the launch rule uses
+        assert schedule.splits_a_query(n_q, per, programs, share) == any(pc.split for pc in pieces)
 
 
 def test_a_query_with_no_valid_token_still_has_a_unit():
@@ -66,22 +79,39 @@ def test_a_query_with_no_valid_token_still_has_a_unit():
 
 
 @pytest.mark.parametrize("n_q,units,programs,want", [
-    (128, 32, 132, 32),      # DSA b128: one whole query a program, no combine (as the record ran)
-    (256, 32, 132, 64),      # DSA b256: two whole queries a program
-    (1, 32, 132, 1),         # DSA b1: one tile a program, 32 programs
-    (8, 32, 132, 2),         # DSA b8: 128 programs of 2 tiles
-    (296, 32, 132, 72),      # b148, s_q 2: the equal cut, not three waves of whole queries
+    (128, 32, 132, (128, 32)),    # DSA b128: one whole query a program, no combine (as the record ran)
+    (256, 32, 132, (128, 64)),    # DSA b256: two whole queries a program
+    (1, 32, 132, (32, 1)),        # DSA b1: one tile a program, 32 programs
+    (8, 32, 132, (128, 2)),       # DSA b8: 128 programs of 2 tiles
+    (296, 32, 132, (132, 72)),    # b148, s_q 2: the equal cut, not three waves of whole queries
+    (32, 10, 132, (128, 0)),      # V4-CSA b32: each query in four balanced pieces (3, 2, 3, 2 tiles),
+                                  # one a program: no program holds two pieces
 ])
-def test_the_share_size_follows_the_cost_model(n_q, units, programs, want):
-    assert schedule.choose_share(n_q, units, programs) == want
+def test_the_cut_follows_the_cost_model(n_q, units, programs, want):
+    assert schedule.choose_cut(n_q, units, programs) == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(n_q=st.integers(1, 300), units=st.integers(1, 64), programs=st.integers(1, 140))
+def test_the_chosen_cut_fits_the_programs_and_is_no_worse_than_the_equal_cut(n_q, units, programs):
+    got = schedule.choose_cut(n_q, units, programs)
+    assert 1 <= got[0] <= programs
+    per = [units] * n_q
+    equal = math.ceil(n_q * units / programs)
+    assert schedule.modelled_time(per, *got) <= schedule.modelled_time(per, programs, equal)
 
 
 def test_the_cost_model_counts_pieces_splits_and_the_combine():
     # two queries of 4 units, one share of 8: one program, two whole pieces, no combine
-    assert schedule.modelled_time([4, 4], 8) == 8 + 2 * schedule.PIECE_TILES
+    assert schedule.modelled_time([4, 4], 1, 8) == 8 + 2 * schedule.PIECE_TILES
     # shares of 3: a program holds at most 3 units in two pieces, both split; the combine runs
+    assert schedule.modelled_time([4, 4], 3, 3) == (3 + 2 * schedule.PIECE_TILES + 2 * schedule.SPLIT_TILES
+                                                    + schedule.COMBINE_TILES)
+    # balanced over 3 programs: shares of 2, 3, 3 units; the middle one holds two split pieces
     assert schedule.modelled_time([4, 4], 3) == (3 + 2 * schedule.PIECE_TILES + 2 * schedule.SPLIT_TILES
                                                  + schedule.COMBINE_TILES)
+    assert [(pc.program, pc.q, pc.lo, pc.hi) for pc in schedule.work_list([4, 4], 3)] == [
+        (0, 0, 0, 2), (1, 0, 2, 4), (1, 1, 0, 1), (2, 1, 1, 4)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -102,10 +132,10 @@ def _probe_kernel(len_ptr, elen_ptr, out_ptr, rec_ptr, n_q, s_q, topk, etopk, sh
     rows = None
     if ROWS > 0:
         rows = tl.arange(0, ROWS)
-    share, x0, x1, q0, c, q_end, c_last, u_last = share_bounds(p, n_q, s_q, share, num_programs, topk, len_ptr, 1,
+    p_last, x0, x1, q0, c, q_end, c_last, u_last = share_bounds(p, n_q, s_q, share, num_programs, topk, len_ptr, 1,
                                                                etopk, elen_ptr, 1, rows, BLOCK_N, UNIT, HAS_LEN,
                                                                HAS_EXTRA, HAS_ELEN)
-    write_share_record(rec_ptr, p, share, x0, x1, q0, c, q_end, c_last, u_last, n_q, num_programs)
+    write_share_record(rec_ptr, p, p_last, x0, x1, q0, c, q_end, c_last, u_last, n_q, num_programs)
     k = 0
     for q in range(q0, q_end):
         lo, hi, split, _t1, _n1, _n2, units = piece(q, c, x0, x1, s_q, topk, len_ptr, 1, etopk, elen_ptr, 1, BLOCK_N,
@@ -156,7 +186,7 @@ def _expected_units(b, s_q, topk, etopk, lengths, elengths, unit):
        rows=st.sampled_from([0, 4, 16]))
 def test_the_kernels_cut_the_work_list_as_the_host_does(data, b, s_q, topk, etopk, programs, unit, rows):
     """With lengths (each from 0 to past topk, prefix sums taken ``rows`` query rows at a time, or
-    in the call of its own) or without (any share size), the probe's pieces are the host's work
+    in the call of its own) or without (any share size, or balanced), the probe's pieces are the host's work
     list, and each program's record names the split query whose first piece it holds; with fewer
     query rows than programs, each query row's record names the program of its first piece if
     the query is split, else -1 (and with more, none is written)."""
@@ -167,8 +197,8 @@ def test_the_kernels_cut_the_work_list_as_the_host_does(data, b, s_q, topk, etop
     has_len = lengths is not None or elengths is not None
     units, tiles = _expected_units(b, s_q, topk, etopk, lengths, elengths, unit)
     share = 0 if has_len else data.draw(st.integers(0, 2 * max(units)))
-    want_share, want = schedule.work_list(units, programs, share)
-    grid = programs if share == 0 else math.ceil(sum(units) / want_share)
+    want = schedule.work_list(units, programs, share)
+    grid = programs if share == 0 else math.ceil(sum(units) / share)
     got, rec, by_query, got_units = _kernel_pieces(b, s_q, topk, etopk, lengths, elengths, grid, share, unit, rows)
     # the kernels' pieces are in tiles: a unit is UNIT tiles, and the last stops at the query's end
     assert got == [(pc.program, pc.q, pc.lo * unit, min(pc.hi * unit, tiles[pc.q]), int(pc.split), pc.slot)

@@ -175,9 +175,7 @@ def _share_from_lengths(p, n_q, s_q, num_programs, topk, len_ptr, len_stride, et
                                HAS_LEN, HAS_EXTRA, HAS_ELEN)
         _t1, _t, u = query_units(n1, n2, BLOCK_N, UNIT)
         total += tl.sum(tl.where(q < n_q, u, 0), 0)
-    share = (total + num_programs - 1) // num_programs
-    x0 = p * share
-    x1 = tl.minimum(x0 + share, total)
+    x0, x1 = share_range(p, total, num_programs, 0)
     q0 = 0
     c0 = 0
     q_end = 0
@@ -201,7 +199,30 @@ def _share_from_lengths(p, n_q, s_q, num_programs, topk, len_ptr, len_stride, et
     n1, n2 = query_lengths(q_end - 1, s_q, topk, len_ptr, len_stride, etopk, elen_ptr, elen_stride, q_end > 0,
                            HAS_LEN, HAS_EXTRA, HAS_ELEN)
     _t1, _t, u_last = query_units(n1, n2, BLOCK_N, UNIT)
-    return share, x0, x1, q0, c0, q_end, c_last, u_last
+    return share_owner(c_last + u_last - 1, total, num_programs, 0), x0, x1, q0, c0, q_end, c_last, u_last
+
+
+@triton.jit
+def share_range(p, total, num_programs, share):
+    """Units ``[x0, x1)`` of program ``p``'s share (:func:`mla.schedule.share_range`): every
+    ``share`` units, or (``share`` 0) balanced over ``num_programs``, in 64 bits for the product."""
+    if share == 0:
+        x0 = (p.to(tl.int64) * total // num_programs).to(tl.int32)
+        x1 = ((p + 1).to(tl.int64) * total // num_programs).to(tl.int32)
+    else:
+        x0 = p * share
+        x1 = tl.minimum(x0 + share, total)
+    return x0, x1
+
+
+@triton.jit
+def share_owner(x, total, num_programs, share):
+    """The program whose share (:func:`share_range`) holds unit ``x``."""
+    if share == 0:
+        owner = (((x + 1).to(tl.int64) * num_programs - 1) // total).to(tl.int32)
+    else:
+        owner = x // share
+    return owner
 
 
 @triton.jit
@@ -209,19 +230,20 @@ def share_bounds(p, n_q, s_q, share, num_programs, topk, len_ptr, len_stride, et
                  BLOCK_N: tl.constexpr, UNIT: tl.constexpr, HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr,
                  HAS_ELEN: tl.constexpr):
     """Program ``p``'s share of the flat work list (:mod:`mla.schedule`): every query row's units
-    end to end, cut every ``share`` units (0: into ``num_programs`` equal shares). Returns
-    (share, its first unit x0, its end x1, its first query q0 and that query's first unit c0,
-    the end of its queries q_end, the first unit c_last and the units u_last of its last query).
+    end to end, cut every ``share`` units (0: into ``num_programs`` balanced shares). Returns
+    (the program holding the last unit of its last query, its first unit x0, its end x1, its
+    first query q0 and that query's first unit c0, the end of its queries q_end, the first unit
+    c_last and the units u_last of its last query).
     With lengths on the device the prefix sums are taken on the device (:func:`_share_from_lengths`,
     ``rows`` query rows at a time: a vector of row offsets in the caller's layout, or None for a
     call of its own of 256); without, every query has the same units."""
     if HAS_LEN or HAS_ELEN:
         if rows is None:
-            share, x0, x1, q0, c0, q_end, c_last, u_last = _share_from_lengths_call(
+            p_last, x0, x1, q0, c0, q_end, c_last, u_last = _share_from_lengths_call(
                 p, n_q, s_q, num_programs, topk, len_ptr, len_stride, etopk, elen_ptr, elen_stride, 256, BLOCK_N,
                 UNIT, HAS_LEN, HAS_EXTRA, HAS_ELEN)
         else:
-            share, x0, x1, q0, c0, q_end, c_last, u_last = _share_from_lengths(
+            p_last, x0, x1, q0, c0, q_end, c_last, u_last = _share_from_lengths(
                 p, n_q, s_q, num_programs, topk, len_ptr, len_stride, etopk, elen_ptr, elen_stride, rows, BLOCK_N,
                 UNIT, HAS_LEN, HAS_EXTRA, HAS_ELEN)
     else:
@@ -230,16 +252,15 @@ def share_bounds(p, n_q, s_q, share, num_programs, topk, len_ptr, len_stride, et
             n2 = etopk
         _t1, _t, units = query_units(topk, n2, BLOCK_N, UNIT)
         total = n_q * units
-        if share == 0:
-            share = (total + num_programs - 1) // num_programs
-        x0 = p * share
-        x1 = tl.minimum(x0 + share, total)
+        x0, x1 = share_range(p, total, num_programs, share)
         q0 = x0 // units
         c0 = q0 * units
         q_end = (x1 + units - 1) // units
         c_last = (q_end - 1) * units
         u_last = units
-    return share, x0, x1, q0, c0, q_end, c_last, u_last
+        p_last = share_owner(c_last + u_last - 1, total, num_programs, share)
+    q_end = tl.where(x0 < x1, q_end, q0)      # a balanced share may be empty: no piece, not an empty one
+    return p_last, x0, x1, q0, c0, q_end, c_last, u_last
 
 
 @triton.jit
@@ -258,17 +279,18 @@ def piece(q, c, x0, x1, s_q, topk, len_ptr, len_stride, etopk, elen_ptr, elen_st
 
 
 @triton.jit
-def write_share_record(rec_ptr, p, share, x0, x1, q0, c0, q_end, c_last, u_last, n_q, num_programs):
+def write_share_record(rec_ptr, p, p_last, x0, x1, q0, c0, q_end, c_last, u_last, n_q, num_programs):
     """What the combine needs of program ``p``'s share: when its last query starts in it and goes
     on past its end (the one split query whose first piece it holds), (that query, the last
-    program holding a piece of it, the slot of this first piece); else (-1, 0, 0). Where there
+    program holding a piece of it, ``p_last`` of :func:`share_bounds`, the slot of this first
+    piece); else (-1, 0, 0). Where there
     are fewer query rows than programs the combine runs a program per query row
     (:func:`mla.kernels.combine.launch_params`): then the share also writes, after the programs'
     records, each query starting in it: the program of its first piece if it is split, else -1."""
     starts_here = (x0 < x1) & (c_last >= x0) & (c_last + u_last > x1)
     q = q_end - 1
     tl.store(rec_ptr + 3 * p, tl.where(starts_here, q, -1))
-    tl.store(rec_ptr + 3 * p + 1, tl.where(starts_here, (c_last + u_last - 1) // tl.maximum(share, 1), 0))
+    tl.store(rec_ptr + 3 * p + 1, tl.where(starts_here, p_last, 0))
     tl.store(rec_ptr + 3 * p + 2, tl.where(starts_here, 2 * p + (q != q0).to(tl.int32), 0))
     if (n_q < num_programs) & (x0 < x1):
         for qs in range(q0 + (c0 < x0).to(tl.int32), q_end):

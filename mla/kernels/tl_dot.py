@@ -142,11 +142,11 @@ def tl_dot_decode_kernel(
         half = hb % 2
         hb = hb // 2
     p = tl.program_id(1)
-    share, x0, x1, q0, c_q, q_end, c_last, u_last = share_bounds(
+    p_last, x0, x1, q0, c_q, q_end, c_last, u_last = share_bounds(
         p, n_q, s_q, share, num_programs, topk, len_ptr, len_stride, etopk, elen_ptr, elen_stride,
         None, BLOCK_N, 1, HAS_LEN, HAS_EXTRA, HAS_ELEN)
     if tl.program_id(0) == 0:
-        write_share_record(rec_ptr, p, share, x0, x1, q0, c_q, q_end, c_last, u_last, n_q, num_programs)
+        write_share_record(rec_ptr, p, p_last, x0, x1, q0, c_q, q_end, c_last, u_last, n_q, num_programs)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < h_q
     c = tl.arange(0, HALF)

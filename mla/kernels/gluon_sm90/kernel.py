@@ -116,12 +116,12 @@ def gluon_decode_kernel(
         idx_main = idx_ptr + i_off
         idx_extra = eidx_ptr + e_off
     else:
-        share, x0, x1, q0, c0, q_end, c_last, u_last = share_bounds(
+        p_last, x0, x1, q0, c0, q_end, c_last, u_last = share_bounds(
             p, n_q, s_q, share, num_programs, topk, len_ptr, len_stride, etopk, elen_ptr, elen_stride,
             gl.arange(0, 256, layout=ROWS_1D), RING_N, RING_TILES, HAS_LEN,
             HAS_EXTRA, HAS_ELEN)
         if hb == 0:
-            write_share_record(rec_ptr, p, share, x0, x1, q0, c0, q_end, c_last, u_last, n_q, num_programs)
+            write_share_record(rec_ptr, p, p_last, x0, x1, q0, c0, q_end, c_last, u_last, n_q, num_programs)
 
     nope_r = gl.allocate_shared_memory(gl.uint8, [STAGES, RING_N, 8, 64], RN)
     rope_r = gl.allocate_shared_memory(gl.bfloat16, [STAGES, RING_N, 1, 64], R3)
