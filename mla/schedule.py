@@ -54,11 +54,13 @@ class Piece:
 
 def share_range(p: int, total: int, num_programs: int, share: int = 0) -> tuple[int, int]:
     """Units ``[x0, x1)`` of program ``p``'s share of ``total`` units: cut every ``share`` units,
-    or (``share`` 0) balanced over ``num_programs`` programs, program p taking
-    ``[floor(p*total/P), floor((p+1)*total/P))`` so that shares differ by at most one unit."""
+    or (``share`` 0) balanced over ``P = min(num_programs, total)`` programs, program p taking
+    ``[floor(p*total/P), floor((p+1)*total/P))`` so that shares differ by at most one unit (and
+    none is empty but those past the work, which a query's pieces never straddle)."""
     if share:
         return p * share, min((p + 1) * share, total)
-    return p * total // num_programs, (p + 1) * total // num_programs
+    n = min(num_programs, total)
+    return min(p * total // n, total), min((p + 1) * total // n, total)
 
 
 def work_list(units: list[int], num_programs: int, share: int = 0) -> list[Piece]:
@@ -95,7 +97,7 @@ def splits_a_query(n_q: int, units: int, num_programs: int, share: int = 0) -> b
     total = n_q * units
     if share:
         return share % units != 0 and share < total
-    return any((p * total // num_programs) % units for p in range(1, num_programs))
+    return any(share_range(p, total, num_programs)[0] % units for p in range(1, min(num_programs, total)))
 
 
 def span(pieces: list[Piece]) -> dict:

@@ -205,10 +205,12 @@ def _share_from_lengths(p, n_q, s_q, num_programs, topk, len_ptr, len_stride, et
 @triton.jit
 def share_range(p, total, num_programs, share):
     """Units ``[x0, x1)`` of program ``p``'s share (:func:`mla.schedule.share_range`): every
-    ``share`` units, or (``share`` 0) balanced over ``num_programs``, in 64 bits for the product."""
+    ``share`` units, or (``share`` 0) balanced over ``num_programs`` programs, or over ``total``
+    where that is fewer (no empty share between two others), in 64 bits for the product."""
     if share == 0:
-        x0 = (p.to(tl.int64) * total // num_programs).to(tl.int32)
-        x1 = ((p + 1).to(tl.int64) * total // num_programs).to(tl.int32)
+        n = tl.minimum(num_programs, total).to(tl.int64)
+        x0 = tl.minimum(p.to(tl.int64) * total // n, total).to(tl.int32)
+        x1 = tl.minimum((p + 1).to(tl.int64) * total // n, total).to(tl.int32)
     else:
         x0 = p * share
         x1 = tl.minimum(x0 + share, total)
@@ -219,7 +221,7 @@ def share_range(p, total, num_programs, share):
 def share_owner(x, total, num_programs, share):
     """The program whose share (:func:`share_range`) holds unit ``x``."""
     if share == 0:
-        owner = (((x + 1).to(tl.int64) * num_programs - 1) // total).to(tl.int32)
+        owner = (((x + 1).to(tl.int64) * tl.minimum(num_programs, total) - 1) // total).to(tl.int32)
     else:
         owner = x // share
     return owner
@@ -259,7 +261,7 @@ def share_bounds(p, n_q, s_q, share, num_programs, topk, len_ptr, len_stride, et
         c_last = (q_end - 1) * units
         u_last = units
         p_last = share_owner(c_last + u_last - 1, total, num_programs, share)
-    q_end = tl.where(x0 < x1, q_end, q0)      # a balanced share may be empty: no piece, not an empty one
+    q_end = tl.where(x0 < x1, q_end, q0)      # programs past the work: no piece
     return p_last, x0, x1, q0, c0, q_end, c_last, u_last
 
 
