@@ -206,11 +206,14 @@ def _share_from_lengths(p, n_q, s_q, num_programs, topk, len_ptr, len_stride, et
 def share_range(p, total, num_programs, share):
     """Units ``[x0, x1)`` of program ``p``'s share (:func:`mla.schedule.share_range`): every
     ``share`` units, or (``share`` 0) balanced over ``num_programs`` programs, or over ``total``
-    where that is fewer (no empty share between two others), in 64 bits for the product."""
+    where that is fewer (no empty share between two others); floor(p*total/n) as
+    p*(total//n) + p*(total%n)//n, whose products stay in 32 bits."""
     if share == 0:
-        n = tl.minimum(num_programs, total).to(tl.int64)
-        x0 = tl.minimum(p.to(tl.int64) * total // n, total).to(tl.int32)
-        x1 = tl.minimum((p + 1).to(tl.int64) * total // n, total).to(tl.int32)
+        n = tl.minimum(num_programs, total)
+        per = total // n
+        rest = total - per * n
+        x0 = tl.minimum(p * per + p * rest // n, total)
+        x1 = tl.minimum((p + 1) * per + (p + 1) * rest // n, total)
     else:
         x0 = p * share
         x1 = tl.minimum(x0 + share, total)
