@@ -100,7 +100,7 @@ def main(argv=None):
         ek, ei = kw.get("extra_k_cache"), kw.get("extra_indices")
         row["launcher"] = loop_us(lambda: la(q, kc, idx, case.sink, None, ek, ei, None, out, lse, *ws))
         launches = recorded_launches(plan, lambda: la(q, kc, idx, case.sink, None, ek, ei, None, out, lse, *ws))
-        direct = [(b._compiled, b._grid3, tuple(a) + tuple(b._tail)) for b, _, a in launches if b._compiled]
+        direct = [(b._compiled, b._grid3, b._pick(list(a) + b._consts)) for b, _, a in launches if b._compiled]
         row["launches_n"] = len(launches)
         row["launches_direct_n"] = len(direct)
 

@@ -284,7 +284,7 @@ _COMBINE_TENSORS = (0, 1, 2, 3, 4, 5)
 #: the caches among them, which Triton's path takes as uint8
 _CACHE_SLOTS = (11, 21)
 #: where the combine's tensors are among a split call's decode tensors (:meth:`Launcher.__call__`)
-_COMBINE_FROM_DECODE = (4, 5, 6, 1, 2, 3)
+_COMBINE_PICK = operator.itemgetter(4, 5, 6, 1, 2, 3)
 
 
 class Launcher:
@@ -349,7 +349,7 @@ class Launcher:
         self._decode(getattr(self._module, self._name), tensors, addresses)
         if combine_:      # the combine's tensors are the decode's partials, records, out, lse and sink
             self._combine(combine.combine_kernel, (po, plse, rec, out, lse, sink),
-                          None if addresses is None else [addresses[i] for i in _COMBINE_FROM_DECODE])
+                          None if addresses is None else list(_COMBINE_PICK(addresses)))
 
     def _addresses(self, tensors):
         """The decode tensors' addresses (each distinct tensor asked once; the workspace's kept
@@ -427,13 +427,30 @@ class BoundLaunch:
         self._grid3 = self.grid + (1,) * (3 - len(self.grid))
         self._template, self._slots, self._caches = list(template), tuple(tensor_slots), set(cache_slots)
         self._device = device.index if device is not None and device.type == "cuda" else None
-        self._kernel = self._compiled = self._tail = self._fast = None
+        self._kernel = self._compiled = self._fast = self._pick = self._consts = None
 
     def _args(self, values) -> list:
         args = list(self._template)
         for i, v in zip(self._slots, values):
             args[i] = v
         return args
+
+    def _bind(self, kernel) -> None:
+        """The compiled launch's argument order, as one pick (``self._pick``) from the call's
+        addresses followed by the plan's fixed values (``self._consts``: the template's integers
+        and the constexprs in signature order, :meth:`_constexpr_tail`)."""
+        slot = {s: i for i, s in enumerate(self._slots)}
+        consts, order = [], []
+        for j, v in enumerate(self._template):
+            if j in slot:
+                order.append(slot[j])
+            else:
+                order.append(len(self._slots) + len(consts))
+                consts.append(v)
+        for v in self._constexpr_tail(kernel, len(self._template)):
+            order.append(len(self._slots) + len(consts))
+            consts.append(v)
+        self._consts, self._pick = consts, operator.itemgetter(*order)
 
     def __call__(self, kernel, tensors: tuple, addresses=None) -> None:
         """Launch ``kernel`` with ``tensors`` in the template's tensor slots (``addresses``: theirs,
@@ -442,17 +459,18 @@ class BoundLaunch:
             if addresses is None:
                 addresses = _addresses(tensors)
             if addresses is not None:
-                args = self._args(addresses)
+                args = self._pick(addresses + self._consts)
                 if self._fast is not None:
-                    self._fast(self._grid3, torch._C._cuda_getCurrentRawStream(self._device), (*args, *self._tail))
+                    self._fast(self._grid3, torch._C._cuda_getCurrentRawStream(self._device), args)
                 else:
-                    self._compiled[self._grid3](*args, *self._tail)
+                    self._compiled[self._grid3](*args)
                 return
         args = self._args([_u8(t) if i in self._caches else t for i, t in zip(self._slots, tensors)])
         compiled = kernel[self.grid](*args, **self.constexprs)
         if (self._compiled is None and isinstance(compiled, CompiledKernel) and _LAUNCHER_TAKES_CONSTEXPRS
                 and _addresses(tensors) is not None):
-            self._kernel, self._compiled, self._tail = kernel, compiled, self._constexpr_tail(kernel, len(args))
+            self._bind(kernel)
+            self._kernel, self._compiled = kernel, compiled
             self._fast = _fast_launcher(compiled) if self._device is not None else None
 
     def _constexpr_tail(self, kernel, n_args: int):

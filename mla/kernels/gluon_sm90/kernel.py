@@ -21,8 +21,9 @@ from .ring import RING_N, producer, producer_one
 NUM_WARPS = 8
 #: the producer partition's warps: one warpgroup, so that setmaxnreg can apply to it
 PRODUCER_WARPS = gl.constexpr(4)
-#: its registers per thread (it holds addresses only); the consumers then get 232 in the loop
-PRODUCER_REGS = 40
+#: its registers per thread (addresses, and its loop over the share's queries): at 40 it spilled
+#: under Triton 3.6 once the work list came; the consumers then get 224 in the loop
+PRODUCER_REGS = 56
 #: ring stages of 64 tokens. With 64 heads a third stage (40.5 KB) does not fit beside Q, the
 #: tile buffer and P; with 16 heads three fit and were no faster on the H200
 STAGES = 2
