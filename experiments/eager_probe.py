@@ -4,12 +4,9 @@ furthest from their CUDA-graph time, back-to-back loops (no sync inside, median 
 - ``full``: the benchmark's planned call (``mla.bench.Case.caller("mma")``, out and lse allocated);
 - ``planned_out``: the same with ``out=`` and ``lse=`` given;
 - ``launcher``: the plan's :class:`mla.dispatch.Launcher` alone (no signature check);
-- ``launches``: the decode and combine launches alone, their arguments built once, the
-  compiled kernels given tensors;
-- ``launches_addr``: the same given the tensors' addresses (:class:`mla.dispatch.BoundLaunch`'s
-  direct path: no driver call per pointer);
-- ``launches_run``: tensors again, through ``CompiledKernel.run`` (Triton's launcher without the
-  ``kernel[grid]`` closure and its device and stream lookups);
+- ``launches_c``: the decode and combine through their compiled kernels' C launchers alone,
+  their arguments built once (what :class:`mla.dispatch.BoundLaunch` calls);
+- ``launches_bound``: the two bound launches, each asking its tensors' addresses;
 - ``empty2``: the two ``torch.empty`` of out and lse;
 - ``flashmla``: FlashMLA's own call, where its extension imports;
 
@@ -62,9 +59,9 @@ def recorded_launches(plan, call):
     seen = []
     orig = dispatch.BoundLaunch.__call__
 
-    def spy(self, kernel, args):
+    def spy(self, kernel, args, addresses=None):
         seen.append((self, kernel, args))
-        return orig(self, kernel, args)
+        return orig(self, kernel, args, addresses)
     dispatch.BoundLaunch.__call__ = spy
     try:
         call()
@@ -100,28 +97,20 @@ def main(argv=None):
         ek, ei = kw.get("extra_k_cache"), kw.get("extra_indices")
         row["launcher"] = loop_us(lambda: la(q, kc, idx, case.sink, None, ek, ei, None, out, lse, *ws))
         launches = recorded_launches(plan, lambda: la(q, kc, idx, case.sink, None, ek, ei, None, out, lse, *ws))
-        direct = [(b._compiled, b._grid3, b._pick(list(a) + b._consts)) for b, _, a in launches if b._compiled]
         row["launches_n"] = len(launches)
-        row["launches_direct_n"] = len(direct)
+        fast = [(b, b._pick(dispatch._addresses(t) + b._consts)) for b, _, t in launches if b._fast is not None]
+        row["launches_direct_n"] = len(fast)
+        stream = torch.cuda.current_stream().cuda_stream
 
-        def launches_direct():
-            for c, g, a in direct:
-                c[g](*a)
-        row["launches"] = loop_us(launches_direct)
-        by_address = [(c, g, dispatch._addresses(a)) for c, g, a in direct]
+        def launches_c():           # the compiled kernels' C launchers alone, arguments built once
+            for b, args in fast:
+                b._fast(b._grid3, stream, args)
+        row["launches_c"] = loop_us(launches_c)
 
-        def launches_addr():
-            for c, g, a in by_address:
-                c[g](*a)
-        row["launches_addr"] = loop_us(launches_addr)
-        try:
-            def launches_run():
-                stream = torch.cuda.current_stream().cuda_stream
-                for c, g, a in direct:
-                    c.run(g[0], g[1], g[2], stream, c.function, c.packed_metadata, None, None, None, *a)
-            row["launches_run"] = loop_us(launches_run)
-        except Exception as e:  # noqa: BLE001
-            row["launches_run"] = f"{type(e).__name__}: {e}"
+        def launches_bound():       # the bound launches, addresses asked each call
+            for b, kernel, t in launches:
+                b(kernel, t)
+        row["launches_bound"] = loop_us(launches_bound)
         row["empty2"] = loop_us(lambda: (torch.empty_like(q), torch.empty(s.b, s.h_q, s.s_q, device=dev)))
         row.update({k: v for k, v in bench.host_cost(shapes=[s], calls=500, reps=3, device="cuda")[0].items()
                     if k.startswith("us ")})
