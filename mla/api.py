@@ -133,13 +133,13 @@ def signature(q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_
     it is the whole check of a planned call, so it is written out flat."""
     e = extra_k_cache
     return ((q.shape, q.stride(), q.dtype, q.device),
-            (k_cache.shape, k_cache.stride(0), k_cache.storage_offset(), k_cache.untyped_storage().nbytes(),
+            (k_cache.shape, k_cache.stride(), k_cache.storage_offset(), k_cache.untyped_storage().nbytes(),
              k_cache.dtype, k_cache.device),
             (indices.shape, indices.stride(), indices.dtype, indices.device), (type(softmax_scale), softmax_scale),
             None if attn_sink is None else (attn_sink.shape, attn_sink.stride(), attn_sink.dtype, attn_sink.device),
             None if topk_length is None else (topk_length.shape, topk_length.stride(), topk_length.dtype,
                                               topk_length.device),
-            None if e is None else (e.shape, e.stride(0), e.storage_offset(), e.untyped_storage().nbytes(), e.dtype,
+            None if e is None else (e.shape, e.stride(), e.storage_offset(), e.untyped_storage().nbytes(), e.dtype,
                                     e.device),
             None if extra_indices is None else (extra_indices.shape, extra_indices.stride(), extra_indices.dtype,
                                                 extra_indices.device),
@@ -158,6 +158,8 @@ class Plan:
     signature: tuple
     launcher: dispatch.Launcher | None = None
     workspace: tuple = (None, None, None)
+    #: what a call's fresh ``out`` and ``lse`` are made like (:func:`_output_templates`)
+    outputs: tuple = ()
 
     @property
     def launch(self) -> dispatch.Launch | None:
@@ -188,17 +190,27 @@ class Plan:
         return f"Plan(b={b}, s_q={s_q}, h_q={h_q}, topk={self.signature[2][0][2]}: {what})"
 
 
+def _output_templates(b: int, s_q: int, h_q: int, device) -> tuple:
+    """Stand-ins of one element for a call's ``out`` and ``lse``, expanded to their shapes:
+    ``torch.empty_like`` of one makes a contiguous tensor of that shape, dtype and device (an
+    expanded tensor overlaps, so its strides are not kept), with less argument parsing per call
+    than ``torch.empty(*shape, dtype=..., device=...)``."""
+    return (torch.empty((), dtype=torch.bfloat16, device=device).expand(b, s_q, h_q, D_QK),
+            torch.empty((), dtype=torch.float32, device=device).expand(b, h_q, s_q))
+
+
 def _make_plan(sig, q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
                extra_topk_length, impl, config, programs, own_workspace) -> Plan:
     check_inputs(q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
                  extra_topk_length, impl)
     impl = resolve_impl(impl, q.device)
+    b, s_q, h_q, _ = q.shape
+    outputs = _output_templates(b, s_q, h_q, q.device)
     if impl != "mma":
         if config is not None or programs is not None:
             fail("config" if config is not None else "programs",
                  f"only impl='mma' takes a config; got impl={impl!r}")
-        return Plan(impl, sig)
-    b, s_q, h_q, _ = q.shape
+        return Plan(impl, sig, outputs=outputs)
     extra_topk = extra_indices.shape[-1] if extra_k_cache is not None else 0
     align = dispatch.gluon_align(k_cache, extra_k_cache)
     if programs is not None and (not isinstance(programs, int) or programs < 1):
@@ -209,7 +221,7 @@ def _make_plan(sig, q, k_cache, indices, softmax_scale, attn_sink, topk_length, 
     ws = dispatch.workspace(launch, b, s_q, h_q, q.device) if own_workspace else (None, None, None)
     launcher = dispatch.Launcher(launch, q, k_cache, indices, attn_sink, topk_length, extra_k_cache, extra_indices,
                                  extra_topk_length, softmax_scale)
-    return Plan("mma", sig, launcher, ws)
+    return Plan("mma", sig, launcher, ws, outputs)
 
 
 def plan(q, k_cache, indices, *, softmax_scale=None, attn_sink=None, topk_length=None, extra_k_cache=None,
@@ -339,12 +351,12 @@ def planned_call(plan, sig, q, k_cache, indices, softmax_scale, attn_sink, topk_
     q_shape, _, _, dev = sig[0]
     b, s_q, h_q, _ = q_shape
     if out is None:
-        out = torch.empty(b, s_q, h_q, D_QK, dtype=torch.bfloat16, device=dev)
+        out = torch.empty_like(plan.outputs[0])
     elif not (isinstance(out, torch.Tensor) and out.shape == q_shape and out.dtype == torch.bfloat16
               and out.device == dev and out.is_contiguous()):
         _check_output(out, "out", q_shape, torch.bfloat16, dev)
     if lse is None:
-        lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=dev)
+        lse = torch.empty_like(plan.outputs[1])
     elif not (isinstance(lse, torch.Tensor) and lse.shape == (b, h_q, s_q) and lse.dtype == torch.float32
               and lse.device == dev and lse.is_contiguous()):
         _check_output(lse, "lse", (b, h_q, s_q), torch.float32, dev)

@@ -186,9 +186,10 @@ class Case:
                 plan_options["config"] = dispatch.fill_small_grid(dispatch.tl_dot_config(dev, s.h_q), s.b, s.s_q,
                                                                   s.h_q, s.topk_total, dispatch.sm_count(dev))
             plan = api.plan(self.q, self.cache, self.index_sets[0], **self.kwargs(0), **plan_options)
+            kwargs = [self.kwargs(i) for i in range(len(self.index_sets))]   # made once, as FlashMLA's are
 
             def call(i):
-                return api.sparse_decode(self.q, self.cache, self.index_sets[i], **self.kwargs(i), plan=plan)
+                return api.sparse_decode(self.q, self.cache, self.index_sets[i], **kwargs[i], plan=plan)
             call.plan = plan            # for the record: which kernel, form and split count
             return call
         if impl == "mma-unplanned":

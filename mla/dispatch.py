@@ -283,8 +283,9 @@ _DECODE_TENSORS = (0, 4, 5, 6, 8, 9, 10, 11, 15, 19, 21, 25, 29)
 _COMBINE_TENSORS = (0, 1, 2, 3, 4, 5)
 #: the caches among them, which Triton's path takes as uint8
 _CACHE_SLOTS = (11, 21)
-#: where the combine's tensors are among a split call's decode tensors (:meth:`Launcher.__call__`)
-_COMBINE_PICK = operator.itemgetter(4, 5, 6, 1, 2, 3)
+#: where the combine's tensors are among the decode's (:meth:`Launcher.__call__`), so that the
+#: combine's launch picks its addresses from the decode's
+_COMBINE_FROM_DECODE = (4, 5, 6, 1, 2, 3)
 
 
 class Launcher:
@@ -327,7 +328,8 @@ class Launcher:
         self._decode = BoundLaunch(grid, self.kwargs, template, _DECODE_TENSORS, _CACHE_SLOTS, q.device)
         cgrid, ckw = combine.launch_params(launch.programs, b * s_q, h_q, attn_sink is not None, launch.flat)
         ctemplate = [None] * 6 + [0 if attn_sink is None else attn_sink.stride(0), s_q, h_q, launch.programs]
-        self._combine = BoundLaunch(cgrid, ckw, ctemplate, _COMBINE_TENSORS, (), q.device)
+        self._combine = BoundLaunch(cgrid, ckw, ctemplate, _COMBINE_TENSORS, (), q.device,
+                                    sources=(_COMBINE_FROM_DECODE, len(_DECODE_TENSORS)))
         self._workspace = self._workspace_addresses = None
 
     def __call__(self, q, k_cache, indices, attn_sink, topk_length, extra_k_cache, extra_indices, extra_topk_length,
@@ -348,8 +350,7 @@ class Launcher:
         addresses = self._addresses(tensors)
         self._decode(getattr(self._module, self._name), tensors, addresses)
         if combine_:      # the combine's tensors are the decode's partials, records, out, lse and sink
-            self._combine(combine.combine_kernel, (po, plse, rec, out, lse, sink),
-                          None if addresses is None else list(_COMBINE_PICK(addresses)))
+            self._combine(combine.combine_kernel, (po, plse, rec, out, lse, sink), addresses)
 
     def _addresses(self, tensors):
         """The decode tensors' addresses (each distinct tensor asked once; the workspace's kept
@@ -358,14 +359,17 @@ class Launcher:
         q, out, lse, sink, po, plse, rec, k_cache, indices, lengths, ec, eidx, elengths = tensors
         if rec is not self._workspace:
             self._workspace, self._workspace_addresses = rec, (po.data_ptr(), plse.data_ptr(), rec.data_ptr())
-        a_lse, a_kc, a_idx = lse.data_ptr(), k_cache.data_ptr(), indices.data_ptr()
+        a_q, a_out, a_lse, a_kc, a_idx = q.data_ptr(), out.data_ptr(), lse.data_ptr(), k_cache.data_ptr(), \
+            indices.data_ptr()
+        a_sink = a_lse if sink is lse else sink.data_ptr()
+        a_len = a_idx if lengths is indices else lengths.data_ptr()
         a_ec = a_kc if ec is k_cache else ec.data_ptr()
-        addresses = [q.data_ptr(), out.data_ptr(), a_lse, a_lse if sink is lse else sink.data_ptr(),
-                     *self._workspace_addresses, a_kc, a_idx, a_idx if lengths is indices else lengths.data_ptr(),
-                     a_ec, a_idx if eidx is indices else eidx.data_ptr(),
-                     a_idx if elengths is indices else elengths.data_ptr()]
-        if not functools.reduce(operator.or_, addresses) & 15:
-            return addresses
+        a_eidx = a_idx if eidx is indices else eidx.data_ptr()
+        a_elen = a_idx if elengths is indices else elengths.data_ptr()
+        a_po, a_plse, a_rec = self._workspace_addresses
+        if not (a_q | a_out | a_lse | a_sink | a_po | a_plse | a_rec | a_kc | a_idx | a_len | a_ec | a_eidx
+                | a_elen) & 15:
+            return [a_q, a_out, a_lse, a_sink, a_po, a_plse, a_rec, a_kc, a_idx, a_len, a_ec, a_eidx, a_elen]
         if self.launch.align and (a_kc | a_ec) & 15:
             fail("k_cache" if a_kc & 15 else "extra_k_cache",
                  "its address is not a multiple of 16 bytes, which the plan's Gluon kernel copies need: make a "
@@ -422,10 +426,14 @@ class BoundLaunch:
     launcher asks the driver whether its pointer is a device one, which the plan's signature
     check already answered.)"""
 
-    def __init__(self, grid, constexprs: dict, template, tensor_slots, cache_slots=(), device=None):
+    def __init__(self, grid, constexprs: dict, template, tensor_slots, cache_slots=(), device=None, sources=None):
         self.grid, self.constexprs = tuple(grid), constexprs
         self._grid3 = self.grid + (1,) * (3 - len(self.grid))
         self._template, self._slots, self._caches = list(template), tuple(tensor_slots), set(cache_slots)
+        # where each tensor's address is in the addresses a call passes, and how many those are:
+        # its own tensors' by default, another launch's (the decode's, for the combine) if given
+        self._own_addresses = sources is None
+        self._sources, self._n_addresses = sources or (tuple(range(len(self._slots))), len(self._slots))
         self._device = device.index if device is not None and device.type == "cuda" else None
         self._kernel = self._compiled = self._fast = self._pick = self._consts = None
 
@@ -439,24 +447,25 @@ class BoundLaunch:
         """The compiled launch's argument order, as one pick (``self._pick``) from the call's
         addresses followed by the plan's fixed values (``self._consts``: the template's integers
         and the constexprs in signature order, :meth:`_constexpr_tail`)."""
-        slot = {s: i for i, s in enumerate(self._slots)}
+        slot = dict(zip(self._slots, self._sources))
         consts, order = [], []
         for j, v in enumerate(self._template):
             if j in slot:
                 order.append(slot[j])
             else:
-                order.append(len(self._slots) + len(consts))
+                order.append(self._n_addresses + len(consts))
                 consts.append(v)
         for v in self._constexpr_tail(kernel, len(self._template)):
-            order.append(len(self._slots) + len(consts))
+            order.append(self._n_addresses + len(consts))
             consts.append(v)
         self._consts, self._pick = consts, operator.itemgetter(*order)
 
     def __call__(self, kernel, tensors: tuple, addresses=None) -> None:
         """Launch ``kernel`` with ``tensors`` in the template's tensor slots (``addresses``: theirs,
-        from :func:`_addresses`, where the caller has them)."""
+        from :func:`_addresses`, where the caller has them; for a launch bound to another's
+        addresses, those, or None for Triton's path)."""
         if self._compiled is not None and kernel is self._kernel:
-            if addresses is None:
+            if addresses is None and self._own_addresses:
                 addresses = _addresses(tensors)
             if addresses is not None:
                 args = self._pick(addresses + self._consts)

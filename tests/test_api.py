@@ -44,6 +44,20 @@ def test_good_arguments_pass():
     call(k_cache=good()["k_cache"].view(torch.uint8))
 
 
+@pytest.mark.parametrize("b, s_q, h_q", [(1, 1, 1), (2, 1, 4), (1, 3, 1), (3, 2, 128)])
+def test_a_call_makes_fresh_contiguous_outputs_of_its_shapes(b, s_q, h_q):
+    """Without ``out`` and ``lse`` a call allocates them like its plan's expanded stand-ins: each
+    call's are new tensors, contiguous, of the contract's shapes and dtypes (q's strides are not
+    copied, whatever q's layout)."""
+    q = torch.zeros(b, h_q, s_q, 512, dtype=torch.bfloat16).transpose(1, 2)      # strided q
+    kw = dict(q=q, indices=torch.zeros(b, s_q, TOPK, dtype=torch.int32))
+    (out, lse), (out2, lse2) = call(**kw), call(**kw)
+    assert out.shape == (b, s_q, h_q, 512) and out.dtype == torch.bfloat16 and out.is_contiguous()
+    assert out.stride() == torch.empty(b, s_q, h_q, 512).stride()
+    assert lse.shape == (b, h_q, s_q) and lse.dtype == torch.float32 and lse.is_contiguous()
+    assert out.data_ptr() != out2.data_ptr() and lse.data_ptr() != lse2.data_ptr()
+
+
 def _strided_cache(stride0, nb=NB, p=P, extra=0):
     buf = torch.zeros((nb - 1) * stride0 + p * 584 + extra, dtype=torch.uint8)
     return buf.as_strided((nb, p, 1, 584), (stride0, 584, 584, 1))

@@ -467,3 +467,31 @@ def test_a_cache_off_16_bytes_fails_a_gluon_launch_and_takes_tritons_path_otherw
         lr(*args)
         lr(*args)
         assert len(stand.calls) == 2 and not stand.returns.launches
+
+
+def test_a_combine_bound_to_the_decodes_addresses_takes_tritons_path_when_the_decode_does(monkeypatch):
+    """The combine's direct launch picks its addresses from the decode's: where the decode has
+    none (a misaligned cache, so Triton's path), the combine takes Triton's path too, and with
+    the decode's addresses it passes its own tensors' addresses."""
+    c = make_case(b=2, s_q=1, h_q=8, topk=40, page=16, seed=5)
+    stands = {}
+    for mod, attr in ((dispatch.tl_dot, "tl_dot_decode_kernel"), (dispatch.combine, "combine_kernel")):
+        stands[attr] = _Recording(getattr(mod, attr), _Compiled())
+        monkeypatch.setattr(mod, attr, stands[attr])
+    launch = dispatch.Launch(mla.configs.TlDotConfig(), 3, share=0, combine=True)
+    cache = c["k_cache"].view(torch.uint8)
+    buf = torch.empty(cache.numel() + 8, dtype=torch.uint8)
+    shifted = buf[8 if buf.data_ptr() % 16 == 0 else 0:][:cache.numel()].view(cache.shape)
+    shifted.copy_(cache)
+    out, lse = torch.empty_like(c["q"]), torch.empty(2, 8, 1)
+    ws = dispatch.workspace(launch, 2, 1, 8, "cpu")
+    for k_cache, direct in ((shifted, 0), (c["k_cache"], 2)):
+        lr = dispatch.Launcher(launch, c["q"], k_cache, c["indices"])
+        for stand in stands.values():
+            stand.calls.clear(), stand.returns.launches.clear()
+        for _ in range(3):
+            lr(c["q"], k_cache, c["indices"], None, None, None, None, None, out, lse, *ws)
+        combine_ = stands["combine_kernel"]
+        assert len(combine_.calls) == 3 - direct and len(combine_.returns.launches) == direct
+        for _, args in combine_.returns.launches:
+            assert list(args[:6]) == [t.data_ptr() for t in (*ws, out, lse, lse)]   # no sink: lse stands in
