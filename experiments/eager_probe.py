@@ -7,7 +7,8 @@ furthest from their CUDA-graph time, back-to-back loops (no sync inside, median 
 - ``launches_c``: the decode and combine through their compiled kernels' C launchers alone,
   their arguments built once (what :class:`mla.dispatch.BoundLaunch` calls);
 - ``launches_bound``: the two bound launches, each asking its tensors' addresses;
-- ``empty2``: the two ``torch.empty`` of out and lse;
+- ``empty2``: the call's two allocations of out and lse (``torch.empty_like`` of the plan's
+  stand-ins), and ``empty2_by_shape`` the same made by ``torch.empty`` from the shapes;
 - ``flashmla``: FlashMLA's own call, where its extension imports;
 
 beside the graph time and the Python per call with the launches stubbed
@@ -55,12 +56,13 @@ def loop_us(fn, calls: int = 200, reps: int = 3) -> float:
 
 
 def recorded_launches(plan, call):
-    """[(BoundLaunch, kernel, args)] of one planned call."""
+    """[(BoundLaunch, kernel, args, addresses)] of one planned call (the addresses the Launcher
+    passed: the decode's, which the combine's launch picks from)."""
     seen = []
     orig = dispatch.BoundLaunch.__call__
 
     def spy(self, kernel, args, addresses=None):
-        seen.append((self, kernel, args))
+        seen.append((self, kernel, args, addresses))
         return orig(self, kernel, args, addresses)
     dispatch.BoundLaunch.__call__ = spy
     try:
@@ -98,7 +100,8 @@ def main(argv=None):
         row["launcher"] = loop_us(lambda: la(q, kc, idx, case.sink, None, ek, ei, None, out, lse, *ws))
         launches = recorded_launches(plan, lambda: la(q, kc, idx, case.sink, None, ek, ei, None, out, lse, *ws))
         row["launches_n"] = len(launches)
-        fast = [(b, b._pick(dispatch._addresses(t) + b._consts)) for b, _, t in launches if b._fast is not None]
+        fast = [(b, b._pick((dispatch._addresses(t) if a is None else a) + b._consts))
+                for b, _, t, a in launches if b._fast is not None]
         row["launches_direct_n"] = len(fast)
         stream = torch.cuda.current_stream().cuda_stream
 
@@ -107,11 +110,13 @@ def main(argv=None):
                 b._fast(b._grid3, stream, args)
         row["launches_c"] = loop_us(launches_c)
 
-        def launches_bound():       # the bound launches, addresses asked each call
-            for b, kernel, t in launches:
-                b(kernel, t)
+        def launches_bound():       # the bound launches, the decode's addresses asked each call
+            for b, kernel, t, a in launches:
+                b(kernel, t, None if b._own_addresses else a)
         row["launches_bound"] = loop_us(launches_bound)
-        row["empty2"] = loop_us(lambda: (torch.empty_like(q), torch.empty(s.b, s.h_q, s.s_q, device=dev)))
+        row["empty2"] = loop_us(lambda: (torch.empty_like(plan.outputs[0]), torch.empty_like(plan.outputs[1])))
+        row["empty2_by_shape"] = loop_us(lambda: (torch.empty(s.b, s.s_q, s.h_q, 512, dtype=torch.bfloat16, device=dev),
+                                                  torch.empty(s.b, s.h_q, s.s_q, device=dev)))
         row.update({k: v for k, v in bench.host_cost(shapes=[s], calls=500, reps=3, device="cuda")[0].items()
                     if k.startswith("us ")})
         if bench.flash_mla is not None and s.h_q in (64, 128):
