@@ -253,22 +253,33 @@ def time_do_bench(case: Case, call) -> float:
                                    warmup=25, rep=100, return_mode="median") * 1e3
 
 
-def time_eager_loop(case: Case, call, calls: int = 200, reps: int = 3) -> float:
-    """The wall time per call, us, of ``calls`` back-to-back eager calls with no synchronization
-    between them (one index set after another), median of ``reps``: what a serving loop that does
-    not capture graphs pays, host work included."""
+def time_eager_loops(case: Case, calls: dict, n_calls: int = 200, reps: int = 3) -> dict:
+    """The wall time per call, us, of ``n_calls`` back-to-back eager calls with no
+    synchronization between them (one index set after another), for each of ``calls`` (a name
+    and its ``f(i)``): what a serving loop that does not capture graphs pays, host work included.
+    The loops take turns, ``reps`` rounds of one loop each, and each keeps its fastest: such a loop
+    runs at the host's pace below a few tens of us of kernel, and the host's other work only ever
+    slows it, so that a slow spell of the machine falls on every call alike rather than on one."""
     n = len(case.index_sets)
-    for i in range(n):
-        call(i)
+    for call in calls.values():
+        for i in range(n):
+            call(i)
     torch.cuda.synchronize()
-    times = []
+    best = {}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        for i in range(calls):
-            call(i % n)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(times)
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            for i in range(n_calls):
+                call(i % n)
+            torch.cuda.synchronize()
+            us = (time.perf_counter() - t0) / n_calls * 1e6
+            best[name] = min(us, best.get(name, us))
+    return best
+
+
+def time_eager_loop(case: Case, call, n_calls: int = 200, reps: int = 3) -> float:
+    """:func:`time_eager_loops` of one call."""
+    return time_eager_loops(case, {"call": call}, n_calls, reps)["call"]
 
 
 def ceilings(device="cuda") -> dict:
@@ -418,8 +429,8 @@ def run(shapes=None, impls=None, out_dir="results", name="bench", pool_bytes=2e9
     ``repeat`` rounds over the impls, one after another on the same inputs, of the CUDA-graph
     median per call (:func:`time_graph`): ``us_graph`` is the median of the rounds and
     ``us_graph_runs`` lists them. For ``mma`` and ``flashmla`` also the eager figures
-    (:func:`time_do_bench`, :func:`time_eager_loop`; ``mma`` with its plan, and without one as
-    ``us_eager_loop_unplanned``). ``flashmla`` runs where h_q is 64 or 128 only. Returns the
+    (:func:`time_do_bench`, and :func:`time_eager_loops`, their loops taking turns; ``mma`` with its
+    plan, and without one as ``us_eager_loop_unplanned``). ``flashmla`` runs where h_q is 64 or 128 only. Returns the
     file's content plus ``path`` and, when a file was there before, ``previous`` (what it held:
     :func:`compare` it with the new one).
     """
@@ -450,16 +461,22 @@ def run(shapes=None, impls=None, out_dir="results", name="bench", pool_bytes=2e9
         for _ in range(max(1, repeat)):          # the impls alternate, round after round
             for i in here:
                 runs[i].append(time_graph(case, calls[i], replays=20 if i in ("mma", "tl_dot", "flashmla") else 5))
+        loops = {}
+        if eager:                 # mma (with its plan and without) and FlashMLA: their loops take turns
+            looped = {i: calls[i] for i in here if i in ("mma", "flashmla")}
+            if "mma" in here:
+                looped["mma-unplanned"] = case.caller("mma-unplanned")
+            loops = time_eager_loops(case, looped)
         for i in here:
             fast = i in ("mma", "flashmla")
             rec = record(s, i, statistics.median(runs[i]), time_do_bench(case, calls[i]) if eager and fast else None,
-                         ceil, time_eager_loop(case, calls[i]) if eager and fast else None)
+                         ceil, loops.get(i))
             plan = getattr(calls[i], "plan", None)
             if plan is not None:                               # which kernel and form ran, on which schedule
                 rec["kernel"] = plan.launch.config.label
                 rec["programs"], rec["share"] = plan.launch.programs, plan.launch.share
             if i == "mma" and eager:
-                rec["us_eager_loop_unplanned"] = round(time_eager_loop(case, case.caller("mma-unplanned")), 2)
+                rec["us_eager_loop_unplanned"] = round(loops["mma-unplanned"], 2)
             if len(runs[i]) > 1:
                 rec["us_graph_runs"] = [round(x, 2) for x in runs[i]]
             records.append(rec)
@@ -531,7 +548,7 @@ def sweep(shapes=None, impls=SWEEP_IMPLS, out_dir="results", name="sweep", budge
     ``remaining`` is 0. Each part's provenance is kept under ``parts``; each record names its
     part. Caches are shared between the points of a page size (pools of ``pool_bytes``, far
     larger than the L2); each point has ``n_sets`` index sets in its graph. ``mma`` and
-    ``flashmla`` also get the eager loop (:func:`time_eager_loop`)."""
+    ``flashmla`` also get the eager loop, their loops taking turns (:func:`time_eager_loops`)."""
     t0 = time.time()
     if _interpreting():
         raise RuntimeError(_refusal())
@@ -564,10 +581,10 @@ def sweep(shapes=None, impls=SWEEP_IMPLS, out_dir="results", name="sweep", budge
         if time.time() - t0 > budget_s:
             break
         case = Case(s, dev, pool_bytes=pool_bytes, n_sets=n_sets, pools=pools)
-        for i in here:
-            call = case.caller(i)
-            eager = time_eager_loop(case, call) if i in ("mma", "flashmla") else None
-            rec = record(s, i, time_graph(case, call), None, ceil, eager)
+        calls = {i: case.caller(i) for i in here}
+        loops = time_eager_loops(case, {i: c for i, c in calls.items() if i in ("mma", "flashmla")})
+        for i, call in calls.items():
+            rec = record(s, i, time_graph(case, call), None, ceil, loops.get(i))
             rec["part"] = part
             if i == "flashmla" and s.h_q < FLASHMLA_HEADS[0]:
                 rec["padded_to"] = FLASHMLA_HEADS[0]

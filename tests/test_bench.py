@@ -246,3 +246,26 @@ def test_the_flashmla_build_script_refuses_a_folder_that_is_not_a_flashmla_check
     (tmp_path / "csrc" / "api" / "sparse_decode.h").write_text("")
     old = subprocess.run(["bash", str(script), str(tmp_path)], capture_output=True, text=True)
     assert old.returncode == 2 and "has no csrc/smxx/decode" in old.stderr       # a tree it does not know
+
+
+def test_eager_loops_take_turns_and_keep_each_ones_fastest(monkeypatch):
+    """The eager loops of several calls alternate, round after round (one loop each), and each
+    call's figure is its fastest loop: a slow spell slows whichever loop it falls on."""
+    order, clock, made = [], [0.0], {"a": 0, "b": 0}
+    cost = {"a": [1.0, 5.0, 2.0], "b": [7.0, 3.0, 4.0]}          # us a call, in each round
+
+    def caller(name):
+        def call(i):
+            order.append((name, i))
+            k, made[name] = made[name], made[name] + 1
+            if k >= 2:                                           # past the warm-up (2 index sets)
+                clock[0] += cost[name][(k - 2) // 4] * 1e-6      # 4 calls a loop
+        return call
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    case = type("C", (), {"index_sets": [0, 1]})()
+    got = bench.time_eager_loops(case, {"a": caller("a"), "b": caller("b")}, n_calls=4, reps=3)
+    # the warm-up: each call on every index set; then rounds a, b, a, b, a, b of 4 calls each
+    assert [n for n, _ in order] == ["a", "a", "b", "b"] + (["a"] * 4 + ["b"] * 4) * 3
+    assert [i for n, i in order[4:8]] == [0, 1, 0, 1]
+    assert got == pytest.approx({"a": 1.0, "b": 3.0})
