@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import functools
 import io
@@ -868,11 +869,23 @@ def writer_bandwidth(rows=(64, 8192), pool_blocks: int = 4096, page: int = 64, r
     return out
 
 
+def combine_form(launch, n_q: int) -> str:
+    """The combine's compiled form a launch runs (:func:`mla.kernels.combine.launch_params`): "" where
+    no query is split, else "by query row" or "by share" for the work list, "per split" for uniform
+    splits."""
+    if not launch.combine:
+        return ""
+    if not launch.flat:
+        return "per split"
+    return "by query row" if n_q < launch.programs else "by share"
+
+
 def predicted_variants(shape_names=None, batches=range(1, 257), h200: bool = True) -> dict:
-    """{shape name: the decode-kernel variants (config label, whether the combine runs) that a
-    sweep of ``batches`` launches}, from the launch rule alone (as on an H200 with ``h200``). Each
-    config is one compile (the schedule is not specialised on; the caches' strides and sizes are
-    fixed per serving pool), plus one of the combine when any call combines."""
+    """{shape name: the launches (decode config label, the combine's form, :func:`combine_form`)
+    that a sweep of ``batches`` makes}, from the launch rule alone (as on an H200 with ``h200``).
+    Each (label, whether it combines) is one compile of the decode (the schedule is not
+    specialised on; the caches' strides and sizes are fixed per serving pool); each form of the
+    combine is one compile of it, shared by every shape of a process (:func:`predicted_compiles`)."""
     names = shape_names or sorted({s.name for s in spec_shapes() if s.s_q == 1})
     if h200:
         table = configs.table_for("NVIDIA H200", "3.6", 90)[1]
@@ -886,12 +899,24 @@ def predicted_variants(shape_names=None, batches=range(1, 257), h200: bool = Tru
                 cfg, programs, share = dispatch.decide(facts[1], facts[2], facts[0], b, s0.s_q, s0.h_q, s0.topk,
                                                        s0.extra_topk, 16)
                 launch = dispatch.Launch(cfg, programs, share)
-                combine_ = dispatch.needs_combine(launch, b * s0.s_q, s0.topk, s0.extra_topk, False)
+                launch = dataclasses.replace(launch, combine=dispatch.needs_combine(
+                    launch, b * s0.s_q, s0.topk, s0.extra_topk, False))
             else:
                 launch = dispatch.plan_launch(torch.device("cuda"), b, s0.s_q, s0.h_q, s0.topk, s0.extra_topk, 16)
-                cfg, combine_ = launch.config, launch.combine
-            seen.add((cfg.label, combine_))
+            seen.add((launch.config.label, combine_form(launch, b * s0.s_q)))
         out[name] = sorted(seen)
+    return out
+
+
+def predicted_compiles(variants: dict) -> dict:
+    """{shape name: kernels a process compiles for it} from :func:`predicted_variants`, in its
+    order: the decode's (label, combines) pairs, plus each combine form no shape before it used
+    (the combine does not depend on the caches, so a later shape reuses it)."""
+    out, forms = {}, set()
+    for name, launches in variants.items():
+        new_forms = {f for _, f in launches if f} - forms
+        out[name] = len({(label, bool(f)) for label, f in launches}) + len(new_forms)
+        forms |= new_forms
     return out
 
 
@@ -1007,10 +1032,10 @@ def main(argv=None) -> int:
         print(f"wrote {res['path']}")
         return 0
     if a.compiles:
-        for name, variants in predicted_variants(a.shape).items():
-            split = any(sp for _, sp in variants)
-            print(f"{name}: {len(variants)} decode variants{' + the combine' if split else ''} over b = 1..256 "
-                  f"(predicted, as on an H200): " + "; ".join(f"{lab}{', split' if sp else ''}" for lab, sp in variants))
+        variants = predicted_variants(a.shape)
+        for name, n in predicted_compiles(variants).items():
+            print(f"{name}: {n} kernels over b = 1..256 (predicted, as on an H200): "
+                  + "; ".join(f"{lab}{f', combine {form}' if form else ''}" for lab, form in variants[name]))
         if torch.cuda.is_available() and not _interpreting():
             for name, n in count_compiles(a.shape).items():
                 print(f"{name}: {n} kernels compiled over b = 1..256 on {torch.cuda.get_device_name()} (measured)")

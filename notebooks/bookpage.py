@@ -18,6 +18,7 @@ import json
 import math
 import pathlib
 import re
+import subprocess
 import sys
 import textwrap
 
@@ -49,8 +50,8 @@ RUNS = RESULTS / "runs"
 WIDTH = 78
 
 __all__ = ["ROOT", "RESULTS", "RUNS", "WIDTH", "setup", "say", "wrap", "show", "source", "glue", "load",
-           "record", "ceilings", "flashmla_us", "fmt", "display", "Markdown", "pd", "torch", "mla", "bench",
-           "math"]
+           "same_package_code", "record", "ceilings", "flashmla_us", "fmt", "display", "Markdown", "pd", "torch",
+           "mla", "bench", "math"]
 
 
 def setup(small=None):
@@ -175,6 +176,21 @@ def load(name: str) -> dict:
 def record() -> dict:
     """The H200 benchmark record, ``results/h200/bench.json``."""
     return load("bench.json")
+
+
+def same_package_code(commit_a: str, commit_b: str) -> bool:
+    """Whether two runs' commits hold the same ``mla/`` package (a run of a results-only commit
+    times the code of the one before it). False where git cannot tell: no checkout, or a commit
+    it does not have."""
+    a, b = (c.removesuffix("+dirty") for c in (commit_a, commit_b))
+    if a == b:
+        return True
+    try:
+        diff = subprocess.run(["git", "diff", "--quiet", a, b, "--", "mla"], cwd=ROOT, capture_output=True,
+                              timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return diff.returncode == 0
 
 
 def ceilings() -> dict:

@@ -1,8 +1,9 @@
 """mla in a serving stack, on the CPU: plans, out= buffers, the cache writer, the torch custom ops
 and torch.compile, and FlashMLA's own call (mla.flash_mla)."""
 import functools
-
 import inspect
+import json
+import pathlib
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from triton.compiler import CompiledKernel
 
 import mla
 import mla.flash_mla as flash_mla
-from mla import api, dispatch, layout
+from mla import api, bench, dispatch, layout
 from mla.validate import make_case, run_case
 
 from conftest import DEVICE as DEV
@@ -112,6 +113,20 @@ def _latents(n, seed=0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(n, 512, generator=g)
             * torch.exp2(torch.randint(-6, 6, (n, 1), generator=g).float())).bfloat16().to(DEV)
+
+
+def test_the_launch_rule_predicts_the_kernels_a_batch_sweep_compiled_on_the_h200():
+    """The compiles of b = 1..256 that serving.json measured on the H200 are the ones the launch rule
+    predicts on the CPU: each decode (form, combines) pair once, each combine form once a process."""
+    measured = json.loads((pathlib.Path(__file__).parents[1] / "results/h200/serving.json").read_text())
+    measured = measured["compiles"]["measured"]
+    assert bench.predicted_compiles(bench.predicted_variants(list(measured))) == measured
+
+
+def test_a_combine_form_is_counted_once_per_process():
+    variants = {"A": [("heads", ""), ("heads", "by share"), ("tokens", "by query row")],
+                "B": [("heads", "by share"), ("tokens", "by query row")], "C": [("two", "per split")]}
+    assert bench.predicted_compiles(variants) == {"A": 3 + 2, "B": 2, "C": 1 + 1}
 
 
 @pytest.mark.parametrize("page", [1, 7, 61, 64])
