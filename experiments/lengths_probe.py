@@ -7,19 +7,16 @@ lengths actually give (summed on the host here, for the rule a result may sugges
 
     python experiments/lengths_probe.py OUT.json [--budget-s S]
 """
-import argparse
 import pathlib
 import sys
-import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import mla  # noqa: E402  (first: it may turn Triton's interpreter on)
-import torch  # noqa: E402
+import mla  # noqa: E402, F401  (first: it may turn Triton's interpreter on)
 
-from experiments import write_rows  # noqa: E402
+from experiments import probe_main  # noqa: E402
 from mla import bench, dispatch, schedule  # noqa: E402
 
 FRACTIONS = (1, 0.75, 0.5, 0.25, 0.125)
@@ -47,34 +44,23 @@ def actual_units(case, cfg) -> list[int]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out")
-    ap.add_argument("--budget-s", type=float, default=200)
-    a = ap.parse_args(argv)
-    if mla.INTERPRET:
-        sys.exit("lengths_probe: needs a CUDA GPU")
-    t0 = time.time()
-    dev = torch.device("cuda")
-    pools, rows = {}, []
-    for s in shapes():
-        if time.time() - t0 > a.budget_s:
-            break
-        case = bench.Case(s, dev, pool_bytes=1e9, n_sets=8, pools=pools)
-        chosen = case.caller("mma").plan.launch
-        units = actual_units(case, chosen.config)
-        row = {"shape": s.name, "b": s.b, "s_q": s.s_q, "h_q": s.h_q, "form": chosen.config.label,
-               "chosen_programs": chosen.programs, "units_total": sum(units), "units_max": max(units)}
-        if bench.flash_mla is not None:
-            row["us_flashmla"] = round(bench.time_graph(case, case.caller("flashmla")), 2)
-        row["us_by_programs"] = {}
-        for f in FRACTIONS:
-            n = max(1, round(chosen.programs * f))
-            if str(n) not in row["us_by_programs"]:
-                row["us_by_programs"][str(n)] = round(bench.time_graph(case, case.caller("mma", programs=n)), 2)
-        rows.append(row)
-        print(row, flush=True)
-        del case
-    write_rows(a.out, rows, dev, seconds=round(time.time() - t0, 1))
+    probe_main(argv, __doc__, "lengths_probe", shapes, measure, budget_s=200)
+
+
+def measure(case) -> dict:
+    s = case.shape
+    chosen = case.caller("mma").plan.launch
+    units = actual_units(case, chosen.config)
+    row = {"shape": s.name, "b": s.b, "s_q": s.s_q, "h_q": s.h_q, "form": chosen.config.label,
+           "chosen_programs": chosen.programs, "units_total": sum(units), "units_max": max(units)}
+    if bench.flash_mla is not None:
+        row["us_flashmla"] = round(bench.time_graph(case, case.caller("flashmla")), 2)
+    row["us_by_programs"] = {}
+    for f in FRACTIONS:
+        n = max(1, round(chosen.programs * f))
+        if str(n) not in row["us_by_programs"]:
+            row["us_by_programs"][str(n)] = round(bench.time_graph(case, case.caller("mma", programs=n)), 2)
+    return row
 
 
 if __name__ == "__main__":

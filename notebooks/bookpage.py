@@ -50,8 +50,8 @@ RUNS = RESULTS / "runs"
 WIDTH = 78
 
 __all__ = ["ROOT", "RESULTS", "RUNS", "WIDTH", "setup", "say", "wrap", "show", "source", "glue", "load",
-           "same_package_code", "record", "ceilings", "flashmla_us", "fmt", "display", "Markdown", "pd", "torch",
-           "mla", "bench", "math"]
+           "host_rows", "same_package_code", "record", "ceilings", "flashmla_us", "fmt", "display", "Markdown", "pd",
+           "torch", "mla", "bench", "math"]
 
 
 def setup(small=None):
@@ -176,6 +176,21 @@ def load(name: str) -> dict:
 def record() -> dict:
     """The H200 benchmark record, ``results/h200/bench.json``."""
     return load("bench.json")
+
+
+def host_rows(name: str):
+    """The table a ``python -m mla.bench --host`` run printed (a text file under ``runs/``, its
+    first line the run's provenance) as rows: shape, b, us with a plan and without one; the
+    commit its first line names in ``attrs["commit"]``."""
+    rows, text = [], (RUNS / name).read_text()
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("│").split("│")]
+        if len(cells) == 5 and cells[1].isdigit():
+            rows.append({"shape": cells[0], "b": int(cells[1]), "us with a plan": float(cells[3]),
+                         "us without a plan": float(cells[4])})
+    df = pd.DataFrame(rows)
+    df.attrs["commit"] = re.search(r"at commit ([0-9a-f]{7})", text.splitlines()[0]).group(1)
+    return df
 
 
 def same_package_code(commit_a: str, commit_b: str) -> bool:
