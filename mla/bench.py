@@ -870,14 +870,13 @@ def writer_bandwidth(rows=(64, 8192), pool_blocks: int = 4096, page: int = 64, r
 
 
 def combine_form(launch, n_q: int) -> str:
-    """The combine's compiled form a launch runs (:func:`mla.kernels.combine.launch_params`): "" where
-    no query is split, else "by query row" or "by share" for the work list, "per split" for uniform
-    splits."""
+    """The combine's compiled form a launch runs, as :func:`mla.kernels.combine.launch_params`
+    picks it: "" where no query is split, else "by query row" or "by share" for the work list,
+    "per split" for uniform splits."""
     if not launch.combine:
         return ""
-    if not launch.flat:
-        return "per split"
-    return "by query row" if n_q < launch.programs else "by share"
+    kw = combine.launch_params(launch.programs, n_q, 1, False, launch.flat)[1]
+    return ("by query row" if kw["BY_QUERY"] else "by share") if kw["FLAT"] else "per split"
 
 
 def predicted_variants(shape_names=None, batches=range(1, 257), h200: bool = True) -> dict:
