@@ -5,7 +5,7 @@ furthest from their CUDA-graph time, back-to-back loops (no sync inside, median 
 - ``planned_out``: the same with ``out=`` and ``lse=`` given;
 - ``launcher``: the plan's :class:`mla.dispatch.Launcher` alone (no signature check);
 - ``launches_c``: the decode and combine through their compiled kernels' C launchers alone,
-  their arguments built once (what :class:`mla.dispatch.BoundLaunch` calls);
+  their addresses asked once (what :class:`mla.dispatch.BoundLaunch` calls);
 - ``launches_bound``: the two bound launches, each asking its tensors' addresses;
 - ``empty2``: the call's two allocations of out and lse (``torch.empty_like`` of the plan's
   stand-ins), and ``empty2_by_shape`` the same made by ``torch.empty`` from the shapes;
@@ -100,14 +100,14 @@ def main(argv=None):
         row["launcher"] = loop_us(lambda: la(q, kc, idx, case.sink, None, ek, ei, None, out, lse, *ws))
         launches = recorded_launches(plan, lambda: la(q, kc, idx, case.sink, None, ek, ei, None, out, lse, *ws))
         row["launches_n"] = len(launches)
-        fast = [(b, b._pick((dispatch._addresses(t) if a is None else a) + b._consts))
-                for b, _, t, a in launches if b._fast is not None]
-        row["launches_direct_n"] = len(fast)
+        direct = [(b, dispatch._addresses(t) if a is None else a)
+                  for b, _, t, a in launches if b._direct is not None]
+        row["launches_direct_n"] = len(direct)
         stream = torch.cuda.current_stream().cuda_stream
 
-        def launches_c():           # the compiled kernels' C launchers alone, arguments built once
-            for b, args in fast:
-                b._fast(b._grid3, stream, args)
+        def launches_c():           # the compiled kernels' C launchers alone, addresses asked once
+            for b, addresses in direct:
+                b._direct(stream, addresses)
         row["launches_c"] = loop_us(launches_c)
 
         def launches_bound():       # the bound launches, the decode's addresses asked each call

@@ -393,22 +393,35 @@ def _hooked(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-def _fast_launcher(compiled):
-    """``launch(grid, stream, args)`` straight into a compiled kernel's C launcher, below
-    Triton's Python wrapper (which per call looks the device and stream up, builds the launch
-    metadata and asks for scratch memory), or None where this Triton's compiled kernel does not
-    have that shape, needs scratch memory, or a launch hook (a profiler) is set."""
+def _direct_launch(compiled, grid3, order, consts, n_addresses):
+    """``launch(stream, addresses)`` straight into a compiled kernel's C launcher, below Triton's
+    Python wrapper (which per call looks the device and stream up, builds the launch metadata
+    and asks for scratch memory), or None where this Triton's compiled kernel does not have that
+    shape, needs scratch memory, or a launch hook (a profiler) is set.
+
+    The call is written out once, as source (the way Triton writes its own launchers): the grid,
+    the function handle, its flags and metadata, then each kernel argument in order, either
+    ``addresses[i]`` or one of the plan's fixed values (``order`` indexes ``addresses + consts``),
+    so that a launch builds no argument tuple of its own."""
     run = getattr(compiled, "_run", None)
     launch = getattr(run, "launch", None)
     if (launch is None or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)
             or knobs is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)):
         return None
-    fn, meta = compiled.function, compiled.packed_metadata
-    coop, pdl = run.launch_cooperative_grid, run.launch_pdl
-
-    def fast(grid, stream, args):
-        launch(grid[0], grid[1], grid[2], stream, fn, coop, pdl, None, None, meta, None, None, None, *args)
-    return fast
+    names = {"launch": launch, "fn": compiled.function, "meta": compiled.packed_metadata,
+             "coop": run.launch_cooperative_grid, "pdl": run.launch_pdl}
+    args = []
+    for j in order:
+        if j < n_addresses:
+            args.append(f"a[{j}]")
+        else:
+            names[f"c{j}"] = consts[j - n_addresses]
+            args.append(f"c{j}")
+    gx, gy, gz = (int(g) for g in grid3)
+    source = (f"def direct(stream, a):\n    launch({gx}, {gy}, {gz}, stream, fn, coop, pdl, None, None, meta, None, "
+              f"None, None, {', '.join(args)})\n")
+    exec(compile(source, f"<mla direct launch of {getattr(compiled, 'name', 'a kernel')}>", "exec"), names)
+    return names["direct"]
 
 
 class BoundLaunch:
@@ -420,7 +433,7 @@ class BoundLaunch:
     first call whose pointers all are goes through Triton and keeps the compiled kernel it
     returns; later such calls launch that kernel directly: the plan's integer arguments with
     the call's tensor addresses, the constexprs appended in signature order, into the compiled
-    kernel's C launcher on the current stream (:func:`_fast_launcher`; through
+    kernel's C launcher on the current stream (:func:`_direct_launch`; through
     ``CompiledKernel[grid]`` where it cannot). Any other call, or a kernel that is not compiled
     (the interpreter, a stub), takes Triton's path. (Addresses, not tensors: for a tensor the
     launcher asks the driver whether its pointer is a device one, which the plan's signature
@@ -435,7 +448,7 @@ class BoundLaunch:
         self._own_addresses = sources is None
         self._sources, self._n_addresses = sources or (tuple(range(len(self._slots))), len(self._slots))
         self._device = device.index if device is not None and device.type == "cuda" else None
-        self._kernel = self._compiled = self._fast = self._pick = self._consts = None
+        self._kernel = self._compiled = self._direct = self._pick = self._consts = None
 
     def _args(self, values) -> list:
         args = list(self._template)
@@ -458,7 +471,7 @@ class BoundLaunch:
         for v in self._constexpr_tail(kernel, len(self._template)):
             order.append(self._n_addresses + len(consts))
             consts.append(v)
-        self._consts, self._pick = consts, operator.itemgetter(*order)
+        self._consts, self._order, self._pick = consts, order, operator.itemgetter(*order)
 
     def __call__(self, kernel, tensors: tuple, addresses=None) -> None:
         """Launch ``kernel`` with ``tensors`` in the template's tensor slots (``addresses``: theirs,
@@ -468,11 +481,10 @@ class BoundLaunch:
             if addresses is None and self._own_addresses:
                 addresses = _addresses(tensors)
             if addresses is not None:
-                args = self._pick(addresses + self._consts)
-                if self._fast is not None:
-                    self._fast(self._grid3, torch._C._cuda_getCurrentRawStream(self._device), args)
+                if self._direct is not None:
+                    self._direct(torch._C._cuda_getCurrentRawStream(self._device), addresses)
                 else:
-                    self._compiled[self._grid3](*args)
+                    self._compiled[self._grid3](*self._pick(addresses + self._consts))
                 return
         args = self._args([_u8(t) if i in self._caches else t for i, t in zip(self._slots, tensors)])
         compiled = kernel[self.grid](*args, **self.constexprs)
@@ -480,7 +492,8 @@ class BoundLaunch:
                 and _addresses(tensors) is not None):
             self._bind(kernel)
             self._kernel, self._compiled = kernel, compiled
-            self._fast = _fast_launcher(compiled) if self._device is not None else None
+            self._direct = (None if self._device is None else
+                            _direct_launch(compiled, self._grid3, self._order, self._consts, self._n_addresses))
 
     def _constexpr_tail(self, kernel, n_args: int):
         """The kernel's parameters after the ``n_args`` given ones, in order: the constexprs as

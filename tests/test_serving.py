@@ -413,9 +413,12 @@ class _Recording(_Kernel):
 
 @pytest.mark.parametrize("kernel", ["tl_dot", "gluon"])
 @pytest.mark.parametrize("programs", [1, 3])
-def test_a_launchers_bound_launches_pass_every_parameter_of_the_real_kernels(kernel, programs, monkeypatch):
+@pytest.mark.parametrize("path", ["compiled kernel", "C launcher"])
+def test_a_launchers_bound_launches_pass_every_parameter_of_the_real_kernels(kernel, programs, path, monkeypatch):
     """Through a Launcher, the direct launch passes the values Triton's path bound: each of the
-    kernel's parameters in order, the constexprs by name (the decodes and the combine)."""
+    kernel's parameters in order, the constexprs by name (the decodes and the combine), through
+    the compiled kernel (the CPU) or its C launcher (a GPU: the written-out call of
+    dispatch._direct_launch, the combine's addresses picked from the decode's)."""
     if kernel == "gluon" and dispatch.gluon_sm90 is None:
         pytest.skip("this Triton has no Gluon")
     c = make_case(b=2, s_q=1, h_q=8, topk=40, page=16, extra_topk=24, extra_page=8, sink=True, seed=3)
@@ -425,11 +428,15 @@ def test_a_launchers_bound_launches_pass_every_parameter_of_the_real_kernels(ker
         module, name, cfg, align = dispatch.tl_dot, "tl_dot_decode_kernel", mla.configs.TlDotConfig(), 0
     stands = {}
     for mod, attr in ((module, name), (dispatch.combine, "combine_kernel")):
-        stands[attr] = _Recording(getattr(mod, attr), _Compiled())
+        stands[attr] = _Recording(getattr(mod, attr), _Compiled() if path == "compiled kernel"
+                                  else _CompiledWithLauncher())
         monkeypatch.setattr(mod, attr, stands[attr])
     launch = dispatch.Launch(cfg, programs, share=0, combine=programs > 1, align=align)
     lr = dispatch.Launcher(launch, c["q"], c["k_cache"], c["indices"], c["attn_sink"], None, c["extra_k_cache"],
                            c["extra_indices"], None, None)
+    if path == "C launcher":                      # as on a GPU: the launches' device, its current stream
+        monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
+        lr._decode._device = lr._combine._device = 0
     out, lse = torch.empty_like(c["q"]), torch.empty(2, 8, 1)
     args = (c["q"], c["k_cache"], c["indices"], c["attn_sink"], None, c["extra_k_cache"], c["extra_indices"], None,
             out, lse, *dispatch.workspace(launch, 2, 1, 8, "cpu"))
@@ -439,8 +446,13 @@ def test_a_launchers_bound_launches_pass_every_parameter_of_the_real_kernels(ker
         if attr == "combine_kernel" and programs == 1:
             assert not stand.calls and not stand.returns.launches
             continue
-        (_, given, kw), = stand.calls
-        (_, direct), = stand.returns.launches
+        (grid, given, kw), = stand.calls
+        if path == "compiled kernel":
+            (_, direct), = stand.returns.launches
+        else:
+            (call,), header = stand.returns._run.calls, 13   # grid, stream, function, flags, metadata, hooks
+            assert call[:4] == (*grid, *(1,) * (3 - len(grid)), 77) and not stand.returns.launches
+            direct = call[header:]
         params = list(inspect.signature(stand.fn).parameters.values())
         assert len(direct) == len(params)
         bound = dict(zip([p.name for p in params], direct))
