@@ -88,6 +88,30 @@ def test_unplanned_calls_reuse_a_cached_plan(case):
     assert len(api._PLANS) == 2
 
 
+def test_a_plan_owns_its_split_workspace_and_a_cached_plan_none(case):
+    """book/serving.md: a plan from mla.plan owns its split workspace (its calls run in order on
+    one stream); the cached plan of an unplanned call owns none, so every such call gets a fresh
+    one (it may serve calls on any stream)."""
+    plan = mla.plan(**case, programs=3)
+    assert plan.launch.combine and all(isinstance(t, torch.Tensor) for t in plan.workspace)
+    api._PLANS.clear()
+    mla.sparse_decode(**case)
+    (cached,) = api._PLANS.values()
+    assert cached.workspace == (None, None, None)
+    made = []
+    real = dispatch.workspace
+
+    def spy(*args):
+        made.append(real(*args))
+        return made[-1]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(dispatch, "workspace", spy)
+        for _ in range(2):
+            mla.sparse_decode(**case)
+        mla.sparse_decode(**case, plan=plan)
+    assert len(made) == 2 and made[0][2].data_ptr() != plan.workspace[2].data_ptr()
+
+
 def test_plans_for_every_impl(case):
     for impl in ("mma", "simt", "reference"):
         plan = mla.plan(**case, impl=impl)
