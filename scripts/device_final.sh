@@ -6,7 +6,9 @@
 # (flash_mla) imports: put it on PYTHONPATH, and name what was built in FLASHMLA_COMMIT and
 # FLASHMLA_FLAGS.
 #   MLA_COMMIT=<sha> bash scripts/device_final.sh [PART...]
-# PART: tests, validation, bench, serving, or a notebook path (notebooks/0*.ipynb globs work).
+# PART: flashmla (build FLASHMLA_SRC, default .flashmla, a FlashMLA checkout with the nvidia-cutlass
+# wheel in it, into /tmp/fm, and time it beside mla in the later parts), tests, gpu (the GPU tests
+# alone), validation, bench, sweep, serving, host, or a notebook path (notebooks/0*.ipynb globs work).
 # With no PART it runs all of them (more than one 600 s device call can hold; split it).
 # DEADLINE_S (seconds from the start, default 570) skips a part whose limit would pass it.
 set -u
@@ -29,11 +31,18 @@ nbsetup() {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   for part in "$@"; do
     case "$part" in
+      flashmla) rm -rf /tmp/fm && cp -r "${FLASHMLA_SRC:-.flashmla}" /tmp/fm \
+        && step "${FLASHMLA_S:-150}" bash scripts/build_flashmla.sh /tmp/fm $(ls /tmp/fm/nvidia_cutlass-*.whl 2>/dev/null) \
+        && export PYTHONPATH="/tmp/fm:$PYTHONPATH" ;;
       tests) nbsetup      # the chapter tests import nbformat
         step "${TESTS_S:-300}" python3 -m pytest -q -m "not slow" -p no:cacheprovider -rfE ;;
+      gpu) nbsetup
+        step "${GPU_TESTS_S:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE ;;
       validation) step "${VALIDATION_S:-240}" python3 scripts/gpu_validation.py --out "$OUT/val" \
         --budget-s "${VALIDATION_BUDGET_S:-150}" ;;
       bench) step "${BENCH_S:-330}" python3 -m mla.bench --repeat 3 --out "$OUT/res" --no-progress ;;
+      sweep) step "${SWEEP_S:-200}" python3 -m mla.bench --sweep --budget-s "${SWEEP_BUDGET_S:-150}" --out "$OUT/res" --no-progress ;;
+      host) step 60 python3 -m mla.bench --host ;;
       serving) step "${SERVING_S:-120}" python3 -m mla.bench --serving --out "$OUT/res" ;;
       *.ipynb) nbsetup
         step "${NOTEBOOK_S:-200}" python3 -m papermill "$part" "$OUT/nb/$(basename "$part")" -k python3 --cwd notebooks \
