@@ -54,21 +54,25 @@ def timeline(case, call, calls: int = 100) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out")
+    ap.add_argument("--shapes", nargs="*", default=None, help="NAME:B pairs (default: SHAPES)")
+    ap.add_argument("--pool-gb", type=float, nargs="*", default=[1.0],
+                    help="cache pool sizes, GB (the benchmark's is 2): each shape is timed at each")
     a = ap.parse_args(argv)
+    shapes = SHAPES if a.shapes is None else [(n, int(b)) for n, b in (x.split(":") for x in a.shapes)]
     if mla.INTERPRET:
         sys.exit("eager_timeline: needs a CUDA GPU")
     t0 = time.time()
     dev = torch.device("cuda")
     by_name = {(s.name, s.b): s for s in bench.spec_shapes()}
     pools, rows = {}, []
-    for key in SHAPES:
+    for key, gb in ((k, g) for k in shapes for g in a.pool_gb):
         s = by_name[key]
-        case = bench.Case(s, dev, pool_bytes=1e9, n_sets=8, pools=pools)
+        case = bench.Case(s, dev, pool_bytes=gb * 1e9, n_sets=8, pools=pools.setdefault(gb, {}))
         for impl in ("mma", "flashmla"):
             if impl == "flashmla" and (bench.flash_mla is None or s.h_q not in bench.FLASHMLA_HEADS):
                 continue
             call = case.caller(impl)
-            row = {"shape": s.name, "b": s.b, "impl": impl,
+            row = {"shape": s.name, "b": s.b, "impl": impl, "pool_gb": gb,
                    "us_graph": round(bench.time_graph(case, call), 2),
                    "us_eager_loop": round(bench.time_eager_loop(case, call), 2), **timeline(case, call)}
             rows.append(row)
