@@ -162,14 +162,16 @@ def glue(name, value, text=None):
     return value
 
 
-def load(name: str) -> dict:
-    """A committed H200 record by file name: the top-level records (``bench.json``,
-    ``validation.json``, ``mma_versions.json``) or a probe or sweep under ``runs/``."""
-    for folder in (RESULTS, RUNS):
+def load(name: str, card: str = "h200") -> dict:
+    """A committed record by file name: the top-level records (``bench.json``,
+    ``validation.json``, ``mma_versions.json``) or a probe or sweep under ``runs/``, of the H200
+    or of another card's folder (``card``, :func:`mla.bench.gpu_slug` of its name)."""
+    top = ROOT / "results" / card
+    for folder in (top, top / "runs"):
         path = folder / name
         if path.exists():
             return json.loads(path.read_text())
-    raise FileNotFoundError(f"{name}: not in {RESULTS} or {RUNS}")
+    raise FileNotFoundError(f"{name}: not in {top} or {top / 'runs'}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -178,11 +180,11 @@ def record() -> dict:
     return load("bench.json")
 
 
-def host_rows(name: str):
-    """The table a ``python -m mla.bench --host`` run printed (a text file under ``runs/``, its
-    first line the run's provenance) as rows: shape, b, us with a plan and without one; the
-    commit its first line names in ``attrs["commit"]``."""
-    rows, text = [], (RUNS / name).read_text()
+def host_rows(name: str, card: str = "h200"):
+    """The table a ``python -m mla.bench --host`` run printed (a text file under a card's
+    ``runs/``, its first line the run's provenance) as rows: shape, b, us with a plan and without
+    one; the commit its first line names in ``attrs["commit"]``."""
+    rows, text = [], (ROOT / "results" / card / "runs" / name).read_text()
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("│").split("│")]
         if len(cells) == 5 and cells[1].isdigit():
