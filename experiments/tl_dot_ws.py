@@ -1,12 +1,16 @@
 """Probe: the tl.dot kernel's token-tile loop as ``tl.range(..., warp_specialize=True)`` (and a
 software-pipelined ``num_stages`` form), compiled ahead of time for sm_90 beside the shipped loop.
 
-Run with TRITON_INTERPRET=0 and the Triton the GPU image has (3.6) on PYTHONPATH; writes (to the path
-given, and prints) one record: per variant the registers, spill bytes and the tensor-core loops' instruction counts.
-The variant's source is the shipped module with the loop line rewritten, loaded under a new name.
+Run with the Triton the GPU image has (3.6) on PYTHONPATH; it writes (to the path given) and
+prints one record: per variant the registers, spill bytes and the tensor-core loops' instruction
+counts. A variant's source is the shipped module with the loop line rewritten, loaded under a
+new name.
+
+    PYTHONPATH=/path/to/triton-3.6 python experiments/tl_dot_ws.py OUT.json
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import hashlib
 import importlib.util
@@ -16,10 +20,12 @@ import subprocess
 import sys
 import tempfile
 
-import triton
+os.environ["TRITON_INTERPRET"] = "0"     # compiled, not interpreted: set before Triton is imported
 
-from mla import aot
-from mla.kernels import tl_dot
+import triton  # noqa: E402
+
+from mla import aot  # noqa: E402
+from mla.kernels import tl_dot  # noqa: E402
 
 LOOP = "    for ti in range(lo, hi):\n"
 FORMS = {
@@ -43,8 +49,10 @@ def load_form(name: str, line: str):
     return mod
 
 
-def main():
-    assert os.environ.get("TRITON_INTERPRET", "0") == "0"
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", nargs="?", help="where to write the record (JSON); printed either way")
+    a = ap.parse_args(argv)
     out = []
     for name, line in FORMS.items():
         mod = load_form(name, line)
@@ -68,8 +76,8 @@ def main():
                              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
                              "note": "compiled ahead of time on a machine without a GPU (Triton's bundled ptxas)"}}
     text = json.dumps(record, indent=1)
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
+    if a.out:
+        with open(a.out, "w") as f:
             f.write(text + "\n")
     print(text)
 
