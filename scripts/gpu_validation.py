@@ -166,7 +166,13 @@ def main(argv=None) -> int:
     ap.add_argument("--no-leak-check", action="store_true")
     ap.add_argument("--quick", action="store_true", help="a few cases only (a smoke test of the script)")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test the script on the interpreter")
+    ap.add_argument("--impls", type=lambda v: tuple(v.split(",")), default=COUNTED,
+                    help="the counted impls to run, comma-separated (default: all of them: %s); a change to one "
+                         "kernel may validate only the impls that run it" % ",".join(COUNTED))
     a = ap.parse_args(argv)
+    unknown = [n for n in a.impls if n not in COUNTED]
+    if unknown:
+        ap.error(f"--impls: {', '.join(unknown)} not among {', '.join(COUNTED)}")
     t_start = time.time()
     on_gpu = a.device == "cuda"
     if on_gpu and not torch.cuda.is_available():
@@ -184,9 +190,9 @@ def main(argv=None) -> int:
                                   q_scale=3e4, sink_inf=False, seed=400))
     info_specs = [dataclasses.replace(s, name="info: " + s.name) for s in info_specs]
     w = max(1, a.workers)
-    counted_impls = COUNTED
+    counted_impls = a.impls
     if not (on_gpu and torch.cuda.get_device_capability() == (9, 0)):     # the Gluon kernel is sm_90 only
-        counted_impls = tuple(n for n in COUNTED if n not in GLUON)
+        counted_impls = tuple(n for n in counted_impls if n not in GLUON)
     jobs = [(sp, counted_impls, deadline, not a.no_leak_check, i, a.device)
             for i, sp in enumerate(_split(bench_specs + sched_specs + odd_specs, w))]
     jobs += [(sp, INFO_IMPLS + ("mma",), deadline, False, w + i, a.device) for i, sp in enumerate(_split(info_specs, 2))]
@@ -207,7 +213,7 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001
         graph = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
     summ = mv.summary(rows)
-    summ.update(skipped=skipped, complete=not skipped, graph_replay_ok=graph["ok"],
+    summ.update(impls=list(counted_impls), skipped=skipped, complete=not skipped, graph_replay_ok=graph["ok"],
                 benchmark_cases=len(bench_specs), schedule_cases=len(sched_specs), odd_cases=len(odd_specs), pool_bytes=a.pool_gb * 1e9,
                 seconds=round(time.time() - t_start, 1))
     info = {"about": "not counted: mma-bf16 is the MMA kernel with bf16 tensor-core operands (P rounded to "

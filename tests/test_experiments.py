@@ -43,16 +43,12 @@ def test_library_imports(name):
 def test_the_gpu_validations_bf16_variant_reaches_the_kernel(monkeypatch):
     """scripts/gpu_validation.py's "mma-bf16" probe launches the tl.dot kernel with bf16 operands
     (its plan's launches hold the constexprs it changes), not the shipped fp16 ones."""
-    import importlib.util
-
     import triton.language as tl
 
     from mla import dispatch
     from mla.validate import make_case
 
-    spec = importlib.util.spec_from_file_location("gpu_validation", ROOT / "scripts" / "gpu_validation.py")
-    gv = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gv)
+    gv = _gpu_validation()
     seen = []
 
     class Recording:
@@ -63,3 +59,31 @@ def test_the_gpu_validations_bf16_variant_reaches_the_kernel(monkeypatch):
     c = make_case(b=1, s_q=1, h_q=4, topk=16, page=16, sink=False, seed=1, device=DEVICE)
     gv._bf16_operands(c["q"], c["k_cache"], c["indices"])
     assert seen and all(kw["DOT"] is tl.bfloat16 for kw in seen)
+
+
+def _gpu_validation():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_validation", ROOT / "scripts" / "gpu_validation.py")
+    gv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gv)
+    return gv
+
+
+def test_the_gpu_validation_refuses_an_unknown_impl(capsys):
+    with pytest.raises(SystemExit) as e:
+        _gpu_validation().main(["--impls", "mma-tl,nonsense", "--device", "cpu"])
+    assert e.value.code == 2
+    assert "--impls: nonsense" in capsys.readouterr().err
+
+
+def test_the_gpu_validation_runs_only_the_named_impls(tmp_path):
+    """--impls: the counted rows are those impls' only, and the summary says which ran."""
+    import json
+
+    rc = _gpu_validation().main(["--quick", "--device", "cpu", "--impls", "reference,mma-tl", "--workers", "1",
+                                 "--out", str(tmp_path)])
+    doc = json.loads((tmp_path / "validation.json").read_text())
+    assert doc["summary"]["impls"] == ["reference", "mma-tl"]
+    assert {r["impl"] for r in doc["records"]} == {"reference", "mma-tl"}
+    assert rc == 0 and doc["summary"]["failures"] == 0
