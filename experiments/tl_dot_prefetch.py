@@ -134,11 +134,26 @@ def run_aot() -> dict:
                     r = {"error": f"{type(e).__name__}: {str(e)[:600]}"}
                 rows.append({"arch": arch, "form": name, "dv_halves": dv, **r})
                 print(arch, name, dv, json.dumps(r)[:400], file=sys.stderr)
+    shipped_rows = []     # the configs mla launches per architecture (the no-spill test's), shipped and prefetch_idx
+    for arch in (80, 89, 90, 100, 120):
+        for cfg in aot.shipped_tl_dot_configs(arch):
+            for name in ("shipped", "prefetch_idx"):
+                tl_dot.tl_dot_decode_kernel = load_form(name).tl_dot_decode_kernel
+                v = aot.config_variant(arch, cfg, loops=True)
+                try:
+                    r = aot._compile_in_process(v["kernel"], arch, v["constexprs"], v["num_warps"], v["num_stages"],
+                                                loops=True)
+                except Exception as e:  # noqa: BLE001
+                    r = {"error": f"{type(e).__name__}: {str(e)[:600]}"}
+                shipped_rows.append({"arch": arch, "form": name, "config": str(cfg), **r})
+                print(arch, name, cfg, json.dumps(r.get("loops", r))[:300], file=sys.stderr)
     tl_dot.tl_dot_decode_kernel = shipped
     return {"about": "Dev probe (no GPU): the tl.dot kernel's token-tile loop with the next tile's indices (and "
                      "raw bytes) loaded early, compiled ahead of time at the generic config (block_h 64, block_n 64, "
-                     "8 warps, one stage; dv_halves 1 and 2), sink, lengths and extra cache on.",
-            "rows": rows, "provenance": provenance("compiled ahead of time without a GPU (Triton's bundled ptxas)")}
+                     "8 warps, one stage; dv_halves 1 and 2), sink, lengths and extra cache on (rows); and "
+                     "prefetch_idx beside the shipped loop at every config mla launches on sm_80, 89, 90, 100 and "
+                     "120 (shipped_config_rows: mla.aot.shipped_tl_dot_configs, the no-spill test's configs).",
+            "rows": rows, "shipped_config_rows": shipped_rows, "provenance": provenance("compiled ahead of time without a GPU (Triton's bundled ptxas)")}
 
 
 def gpu_shapes():
