@@ -121,30 +121,29 @@ def run_aot() -> dict:
     from mla.kernels import tl_dot
 
     shipped = tl_dot.tl_dot_decode_kernel
+    kernels = {name: load_form(name).tl_dot_decode_kernel for name in FORMS}   # each form built once
+
+    def compile_form(name, v):
+        """Variant ``v`` of form ``name``'s kernel, compiled (aot looks the kernel up by name)."""
+        tl_dot.tl_dot_decode_kernel = kernels[name]
+        try:
+            return aot._compile_in_process(v["kernel"], v["arch"], v["constexprs"], v["num_warps"],
+                                           v["num_stages"], loops=True)
+        except Exception as e:  # noqa: BLE001
+            return {"error": f"{type(e).__name__}: {str(e)[:600]}"}
+
     rows = []
     for arch in (80, 90, 120):
         for name in FORMS:
-            tl_dot.tl_dot_decode_kernel = load_form(name).tl_dot_decode_kernel   # aot looks it up by name
             for dv in (1, 2):
-                v = aot.tl_dot_variant(arch, dv_halves=dv, loops=True)
-                try:
-                    r = aot._compile_in_process(v["kernel"], arch, v["constexprs"], v["num_warps"], v["num_stages"],
-                                                loops=True)
-                except Exception as e:  # noqa: BLE001
-                    r = {"error": f"{type(e).__name__}: {str(e)[:600]}"}
+                r = compile_form(name, aot.tl_dot_variant(arch, dv_halves=dv, loops=True))
                 rows.append({"arch": arch, "form": name, "dv_halves": dv, **r})
                 print(arch, name, dv, json.dumps(r)[:400], file=sys.stderr)
     shipped_rows = []     # the configs mla launches per architecture (the no-spill test's), shipped and prefetch_idx
     for arch in (80, 89, 90, 100, 120):
         for cfg in aot.shipped_tl_dot_configs(arch):
             for name in ("shipped", "prefetch_idx"):
-                tl_dot.tl_dot_decode_kernel = load_form(name).tl_dot_decode_kernel
-                v = aot.config_variant(arch, cfg, loops=True)
-                try:
-                    r = aot._compile_in_process(v["kernel"], arch, v["constexprs"], v["num_warps"], v["num_stages"],
-                                                loops=True)
-                except Exception as e:  # noqa: BLE001
-                    r = {"error": f"{type(e).__name__}: {str(e)[:600]}"}
+                r = compile_form(name, aot.config_variant(arch, cfg, loops=True))
                 shipped_rows.append({"arch": arch, "form": name, "config": str(cfg), **r})
                 print(arch, name, cfg, json.dumps(r.get("loops", r))[:300], file=sys.stderr)
     tl_dot.tl_dot_decode_kernel = shipped
