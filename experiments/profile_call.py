@@ -1,7 +1,9 @@
 """Dev tool (GPU): run one call, of the decode or of a gather probe, a few times on the record's
 inputs, for a profiler (Nsight Compute) to catch one launch of it. SHAPE (e.g. V4-TP8:128),
 KIND (decode, or gather with gather_ceiling's options in OPTS, e.g. "bt=4,warps=4,splits=20"),
-ORDER (random or runs, as in gather_ceiling.sweep), CALLS. For example:
+IMPL (with KIND=decode: one of mla.bench's impls, e.g. tl_dot or tl_dot_sm80, planned once as the
+sweep times it; default the unplanned mma call), ORDER (random or runs, as in
+gather_ceiling.sweep), CALLS. For example:
 
     ncu --clock-control none -k regex:gluon_decode --launch-skip 4 --launch-count 1 \\
         --section SpeedOfLight python3 experiments/profile_call.py
@@ -32,9 +34,15 @@ def main(argv=None):
     if os.environ.get("ORDER", "random") == "runs":
         case.index_sets, case.extra_sets = G.stream_runs(case)
     opts = {k: int(v) for k, v in (o.split("=") for o in os.environ.get("OPTS", "").split(",") if o)}
-    fn = G.decode if os.environ.get("KIND", "decode") == "decode" else G.gather
-    for i in range(int(os.environ.get("CALLS", "8"))):
-        case.call(lambda *a, **k: fn(*a, **k, **opts), i % len(case.index_sets))
+    kind, impl, calls = os.environ.get("KIND", "decode"), os.environ.get("IMPL"), int(os.environ.get("CALLS", "8"))
+    if kind == "decode" and impl:
+        call = case.caller(impl)
+        for i in range(calls):
+            call(i % len(case.index_sets))
+    else:
+        fn = G.decode if kind == "decode" else G.gather
+        for i in range(calls):
+            case.call(lambda *a, **k: fn(*a, **k, **opts), i % len(case.index_sets))
     torch.cuda.synchronize()
 
 

@@ -200,15 +200,15 @@ def _output_templates(b: int, s_q: int, h_q: int, device) -> tuple:
 
 
 def _make_plan(sig, q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
-               extra_topk_length, impl, config, programs, own_workspace) -> Plan:
+               extra_topk_length, impl, config, programs, own_workspace, isa=0) -> Plan:
     check_inputs(q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
                  extra_topk_length, impl)
     impl = resolve_impl(impl, q.device)
     b, s_q, h_q, _ = q.shape
     outputs = _output_templates(b, s_q, h_q, q.device)
     if impl != "mma":
-        if config is not None or programs is not None:
-            fail("config" if config is not None else "programs",
+        if config is not None or programs is not None or isa:
+            fail("config" if config is not None else "programs" if programs is not None else "isa",
                  f"only impl='mma' takes a config; got impl={impl!r}")
         return Plan(impl, sig, outputs=outputs)
     extra_topk = extra_indices.shape[-1] if extra_k_cache is not None else 0
@@ -217,7 +217,7 @@ def _make_plan(sig, q, k_cache, indices, softmax_scale, attn_sink, topk_length, 
         fail("programs", f"expected an int >= 1, got {programs!r}")
     lengths = topk_length is not None or extra_topk_length is not None
     launch = dispatch.plan_launch(q.device, b, s_q, h_q, indices.shape[-1], extra_topk, align, lengths, config,
-                                  programs)
+                                  programs, isa)
     ws = dispatch.workspace(launch, b, s_q, h_q, q.device) if own_workspace else (None, None, None)
     launcher = dispatch.Launcher(launch, q, k_cache, indices, attn_sink, topk_length, extra_k_cache, extra_indices,
                                  extra_topk_length, softmax_scale)
@@ -225,16 +225,18 @@ def _make_plan(sig, q, k_cache, indices, softmax_scale, attn_sink, topk_length, 
 
 
 def plan(q, k_cache, indices, *, softmax_scale=None, attn_sink=None, topk_length=None, extra_k_cache=None,
-         extra_indices=None, extra_topk_length=None, impl="auto", config=None, programs=None) -> Plan:
+         extra_indices=None, extra_topk_length=None, impl="auto", config=None, programs=None, isa=0) -> Plan:
     """Decide a call once: the arguments of :func:`sparse_decode` (their values are not read,
     only their shapes, strides, dtypes and devices), checked. ``config`` (a
     :class:`mla.configs.TlDotConfig` or :class:`mla.configs.GluonConfig`) and ``programs`` (the
     work list's shares; the two-consumer form's splits per query) force the launch, for tests
-    and experiments. Returns a :class:`Plan` for ``sparse_decode(..., plan=...)``."""
+    and experiments; ``isa`` (80 or 89) runs the portable kernel as an A100 or an L40 compiles it,
+    on this (newer) GPU (:mod:`mla.kernels.cross_arch`). Returns a :class:`Plan` for
+    ``sparse_decode(..., plan=...)``."""
     sig = _signature_or_check(q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache,
                               extra_indices, extra_topk_length, impl)
     return _make_plan(sig, q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
-                      extra_topk_length, impl, config, programs, own_workspace=True)
+                      extra_topk_length, impl, config, programs, own_workspace=True, isa=isa)
 
 
 def _signature_or_check(*args):

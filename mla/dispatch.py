@@ -27,7 +27,7 @@ from triton.compiler import CompiledKernel
 
 from . import _runtime, configs, schedule
 from .configs import GLUON_FORMS, GluonConfig, TlDotConfig
-from .kernels import combine, tl_dot
+from .kernels import combine, cross_arch, tl_dot
 from .kernels.common import LOG2E, fp8_native
 from .kernels.simt import simt_sparse_decode
 from .layout import D_QK, fail
@@ -142,6 +142,9 @@ class Launch:
     combine: bool = True
     align: int = 0
     fp8_native: bool = False
+    #: the architecture whose instruction set the ``tl.dot`` kernel is compiled for, assembled for
+    #: this GPU (:mod:`mla.kernels.cross_arch`); 0: this GPU's own
+    isa: int = 0
 
     @property
     def kernel(self) -> str:
@@ -154,6 +157,8 @@ class Launch:
 
     @property
     def label(self) -> str:
+        if self.isa:
+            return f"{self.config.label} as sm_{self.isa} code, {self.programs} program(s)"
         if not self.flat:
             return f"{self.config.label}, {self.programs} split(s) per query"
         cut = f"shares of {self.share} units" if self.share else "balanced shares"
@@ -188,6 +193,12 @@ def tl_dot_config(device: torch.device, h_q: int) -> TlDotConfig:
     return configs.INTERPRETER.for_heads(h_q) if table is None else configs.bucket_config(table, h_q)
 
 
+def portable_config(device: torch.device, b: int, s_q: int, h_q: int, topk_total: int) -> TlDotConfig:
+    """The ``tl.dot`` config that runs these shapes where there is no Gluon kernel: the shipped
+    config for h_q with the small-grid rule (:func:`fill_small_grid`), on this device's SMs."""
+    return fill_small_grid(tl_dot_config(device, h_q), b, s_q, h_q, topk_total, sm_count(device))
+
+
 def gluon_align(k_cache, extra_k_cache=None) -> int:
     """The Gluon kernel's copy width for these caches (0: it cannot copy them, or no Gluon)."""
     if gluon_sm90 is None:
@@ -219,12 +230,23 @@ def _units(cfg, topk: int, extra_topk: int) -> int:
 
 
 def plan_launch(device: torch.device, b: int, s_q: int, h_q: int, topk: int, extra_topk: int, align: int,
-                has_lengths: bool = False, config=None, programs: int | None = None) -> Launch:
+                has_lengths: bool = False, config=None, programs: int | None = None, isa: int = 0) -> Launch:
     """The launch for these shapes on ``device``; ``align`` is :func:`gluon_align` of the caches
     (0 where there is no Gluon). ``config`` and ``programs`` force a choice (tests, experiments):
     ``programs`` balanced shares of the work list (or uniform splits of each query, for the
-    two-consumer form)."""
+    two-consumer form). ``isa`` (80, 86 or 89) runs the ``tl.dot`` kernel as that architecture
+    compiles it (:mod:`mla.kernels.cross_arch`), with that architecture's generic table and FP8
+    decode, on this GPU's SMs: what an A100 or an L40 executes, timed here."""
     sms, table, gluon, native = _facts(device)
+    if isa:
+        if isa not in cross_arch.ISAS:
+            fail("isa", f"expected one of {cross_arch.ISAS} (0: this GPU's own code), got {isa!r}")
+        if table is None:
+            fail("isa", f"another architecture's code runs on a CUDA GPU only (not the interpreter); this device is "
+                        f"{device}")
+        if config is not None and config.kernel != "tl_dot":
+            fail("isa", "only the tl.dot kernel is compiled for another architecture")
+        table, gluon, native = configs.generic(isa), False, isa >= 89
     if config is not None:
         cfg = config.for_heads(h_q)
         if cfg.kernel == "gluon":
@@ -244,7 +266,7 @@ def plan_launch(device: torch.device, b: int, s_q: int, h_q: int, topk: int, ext
         programs, share = programs_for(cfg, n_q, h_q, topk, extra_topk, sms, has_lengths)
     else:
         share = 0
-    launch = Launch(cfg, programs, share, True, align if cfg.kernel == "gluon" else 0, native)
+    launch = Launch(cfg, programs, share, True, align if cfg.kernel == "gluon" else 0, native, isa)
     return dataclasses.replace(launch, combine=needs_combine(launch, n_q, topk, extra_topk, has_lengths))
 
 
@@ -306,7 +328,8 @@ class Launcher:
             grid, kw = gluon_sm90.launch_params(b * s_q, h_q, launch.programs, heads=heads, tile_tokens=tile_tokens,
                                                 two_consumers=pair, align=launch.align)
         else:
-            self._module, self._name = tl_dot, "tl_dot_decode_kernel"
+            self._module, self._name = (cross_arch, f"tl_dot_sm{launch.isa}") if launch.isa else \
+                (tl_dot, "tl_dot_decode_kernel")
             grid, kw = tl_dot.launch_params(h_q, launch.programs, block_h=cfg.block_h, block_n=cfg.block_n,
                                             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                             dv_halves=cfg.dv_halves, fp8_native=launch.fp8_native,

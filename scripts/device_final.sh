@@ -8,7 +8,9 @@
 #   MLA_COMMIT=<sha> bash scripts/device_final.sh [PART...]
 # PART: flashmla (build FLASHMLA_SRC, default .flashmla, a FlashMLA checkout with the nvidia-cutlass
 # wheel in it, into /tmp/fm, and time it beside mla in the later parts), tests, gpu (the GPU tests
-# alone), validation, bench, sweep, serving, host, or a notebook path (notebooks/0*.ipynb globs work).
+# alone), validation, bench, sweep, serving, host, profile (Nsight Compute on PROFILE_IMPLS at
+# PROFILE_SHAPES, default the portable kernel's sm_90 and sm_80 code at DSA b 128 and b 8), or a
+# notebook path (notebooks/0*.ipynb globs work).
 # With no PART it runs all of them (more than one 600 s device call can hold; split it).
 # DEADLINE_S (seconds from the start, default 570) skips a part whose limit would pass it.
 set -u
@@ -44,6 +46,15 @@ nbsetup() {
       sweep) step "${SWEEP_S:-200}" python3 -m mla.bench --sweep --budget-s "${SWEEP_BUDGET_S:-150}" --out "$OUT/res" --no-progress ;;
       host) step 60 python3 -m mla.bench --host ;;
       serving) step "${SERVING_S:-120}" python3 -m mla.bench --serving --out "$OUT/res" ;;
+      profile) mkdir -p "$OUT/ncu"
+        for impl in ${PROFILE_IMPLS:-tl_dot tl_dot_sm80}; do for shape in ${PROFILE_SHAPES:-DSA:128 DSA:8}; do
+          step "${PROFILE_S:-90}" env IMPL="$impl" SHAPE="$shape" CALLS=6 ncu --clock-control none -k regex:tl_dot \
+            --launch-skip 3 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+            --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats \
+            --section ComputeWorkloadAnalysis --section InstructionStats python3 experiments/profile_call.py \
+            > "$OUT/ncu/${impl}_${shape/:/_b}.txt" 2>&1
+          tail -n 4 "$OUT/ncu/${impl}_${shape/:/_b}.txt"
+        done; done ;;
       *.ipynb) nbsetup
         step "${NOTEBOOK_S:-200}" python3 -m papermill "$part" "$OUT/nb/$(basename "$part")" -k python3 --cwd notebooks \
           -p SMALL False ;;

@@ -256,3 +256,32 @@ def test_the_group_major_ring_changes_addresses_only():
     assert accesses(g["sass"])[r"LDGSTS\S*\.128"] >= 16
     (lg,), (lt,) = g["loops"], t["loops"]
     assert lg["tensor_core"] == lt["tensor_core"] and abs(lg["instructions"] / lt["instructions"] - 1) < 0.05, (lg, lt)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", [80, 89])
+def test_an_older_architectures_code_assembles_for_hopper_as_it_is(isa):
+    """What ``isa=80`` / ``isa=89`` plans run on a Hopper card (:mod:`mla.kernels.cross_arch`): the
+    PTX Triton writes for sm_80 or sm_89, assembled for sm_90a. Its token-tile loop keeps that
+    architecture's tensor-core instruction (``mma.sync``, HMMA in SASS), not Hopper's wgmma."""
+    import os
+    import subprocess
+    import tempfile
+
+    from mla.kernels import cross_arch
+
+    cfgs = aot.shipped_tl_dot_configs(isa)
+    got = aot.report([aot.config_variant(isa, c, asm=("ptx",)) for c in cfgs])
+    for c, r in zip(cfgs, got):
+        assert "error" not in r, r
+        assert cross_arch.ptx_target(r["ptx"]) == f"sm_{isa}"
+        cubin = cross_arch.assemble(r["ptx"], 90)
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "k.cubin")
+            with open(path, "wb") as f:
+                f.write(cubin)
+            nvdisasm = os.path.join(os.path.dirname(cross_arch._ptxas(90)), "nvdisasm")
+            sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+        loops = aot.sass_loops(sass)
+        assert loops, c
+        assert "HGMMA" not in sass and "HMMA" in sass, c

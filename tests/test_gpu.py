@@ -32,6 +32,24 @@ def test_kernels_on_gpu(impl, name):
     assert lse_ok.ok, str(lse_ok)
 
 
+@pytest.mark.parametrize("isa", [80, 89])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_an_older_architectures_code_runs_here_and_matches_the_reference(isa, name):
+    """The portable kernel as an A100 (sm_80) and an L40 (sm_89) compile it, assembled for this
+    GPU (mla.kernels.cross_arch), with those architectures' generic tables."""
+    if torch.cuda.get_device_capability() <= (isa // 10, isa % 10):
+        pytest.skip(f"sm_{isa} code runs on a newer GPU")
+    case = make_case(**SHAPES[name], device="cuda", seed=len(name))
+
+    def fn(**kw):
+        plan = mla.plan(**kw, isa=isa)
+        assert plan.launch.isa == isa and plan.launch.config.kernel == "tl_dot"
+        return mla.sparse_decode(**kw, plan=plan)
+    out_ok, lse_ok = run_case(fn, case)
+    assert out_ok.ok, str(out_ok)
+    assert lse_ok.ok, str(lse_ok)
+
+
 @pytest.mark.parametrize("variant", list(GLUON_FORMS))
 @pytest.mark.parametrize("programs", [None, 1, 7])
 @pytest.mark.parametrize("name", list(SHAPES))

@@ -107,6 +107,18 @@ def test_the_gluon_kernel_is_refused_off_hopper_with_a_clear_error():
         mla.plan(**case, impl="simt", config=TlDotConfig())
 
 
+def test_another_architectures_code_is_refused_where_it_cannot_run_with_a_clear_error():
+    """``isa`` plans run sm_80/sm_89 code on a newer GPU: never under the interpreter, never an
+    architecture whose PTX cannot be assembled for an older one, never another kernel or impl."""
+    case = make_case(b=1, s_q=1, h_q=4, topk=8, page=8, device="cpu", seed=1)
+    with pytest.raises(ValueError, match="isa: another architecture's code runs on a CUDA GPU only"):
+        mla.plan(**case, impl="mma", isa=80)
+    with pytest.raises(ValueError, match=r"isa: expected one of \(80, 86, 89\)"):
+        mla.plan(**case, impl="mma", isa=120)
+    with pytest.raises(ValueError, match="isa"):
+        mla.plan(**case, impl="reference", isa=80)
+
+
 def test_gluon_forms_name_their_heads_and_tiles():
     assert [(GluonConfig(f).block_h, GluonConfig(f).block_n, GluonConfig(f).two_consumers) for f in GLUON_FORMS] == [
         (64, 64, False), (16, 64, False), (8, 128, False), (8, 64, True)]

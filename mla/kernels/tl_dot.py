@@ -27,6 +27,8 @@ HALF = tl.constexpr(DIM // 2)      #: 256: the columns of one accumulator half
 #: valid tokens). Under the interpreter float32, whose tl.dot multiplies bf16 and fp16 bit
 #: patterns as integers (triton-lang/triton#11584).
 OPERAND_DTYPE = tl.float32 if _runtime.INTERPRET else tl.float16
+#: the arguments the kernel is not specialized on: one variant for every schedule
+DO_NOT_SPECIALIZE = ("share", "num_programs")
 
 
 @triton.jit
@@ -124,7 +126,7 @@ def _store_piece(o0, o1, m_i, l_i, heads, hmask, q, split, slot, half, out_ptr, 
         tl.store(lse_ptr + (b * h_q + heads) * s_q + (q - b * s_q), tl.where(empty, float("inf"), lse), mask=lmask)
 
 
-@triton.jit(do_not_specialize=["share", "num_programs"])  # one variant for every schedule
+@triton.jit(do_not_specialize=list(DO_NOT_SPECIALIZE))
 def tl_dot_decode_kernel(
     q_ptr, q_sb, q_ss, q_sh, out_ptr, lse_ptr, sink_ptr, sink_stride, po_ptr, plse_ptr, rec_ptr,
     kc_ptr, kc_stride, kc_P, kc_n, idx_ptr, idx_sb, idx_ss, topk, len_ptr, len_stride,
