@@ -530,7 +530,11 @@ def run_gpu(out: str, tiles: int, programs: list, rounds: int = 2) -> dict:
         "about": "A measured timeline of the Gluon kernel's chain, heads as M (experiments/gluon_timeline.py): "
                  "per program, lane and tile, each step's start and end in ns from the program's first stamp, "
                  f"for the first {tiles} tiles of every program of one launch (the programs listed here kept); "
-                 "%clock64 per step, turned into ns by the lane's %globaltimer span.",
+                 "%clock64 per step (written by thread 0 of each warpgroup, so warps 0, 4 and 8), turned into "
+                 "ns by consumer warpgroup 0's %globaltimer span. raw: each kept program's three lane rows as "
+                 "written, int64 (the header's fields, then per tile its stamps, a tile's first stamp opening "
+                 "its first step; -1 where nothing was written); all_programs: every program's SM and span on "
+                 "the global timer, ns from the first program's start.",
         "provenance": bench.provenance(bench.ceilings(dev)),
         "shape": {"name": shape.name, "b": shape.b, "s_q": shape.s_q, "h_q": shape.h_q, "topk": shape.topk,
                   "page": shape.page, "pool_bytes": case.cache.untyped_storage().nbytes()},
@@ -576,8 +580,8 @@ def _tiles(text: str) -> int:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--aot", action="store_true", help="compile ahead of time for sm_90a (no GPU) and report")
-    ap.add_argument("--out", help="where the record goes (JSON); default $OUT/gluon_timeline.json on the GPU, "
-                                  "printed only with --aot")
+    ap.add_argument("--out", help="where the record goes (JSON): by default $OUT/gluon_timeline.json on the GPU; "
+                                  "with --aot it is printed, and written here if given")
     ap.add_argument("--tiles", type=_tiles, default=6, help="tiles stamped per program (default 6)")
     ap.add_argument("--programs", type=_programs, default=[0, 1, 66],
                     help="programs whose stamps the record keeps, comma-separated (default 0,1,66)")

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import DEVICE
 
@@ -294,6 +295,9 @@ def test_the_timeline_probe_refuses_bad_arguments(capsys):
         assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--tiles" in err and "--programs" in err
+    if not torch.cuda.is_available():           # the GPU mode without a GPU says so
+        with pytest.raises(SystemExit, match="needs a Hopper GPU"):
+            tl.main([])
 
 
 def test_the_timeline_figure_draws_a_synthetic_record():
