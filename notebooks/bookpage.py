@@ -379,3 +379,109 @@ def sweep_heatmap(impl: str = "mma", doc: dict | None = None, padded: bool = Tru
 
 
 __all__ += ["SWEEP_CONFIG_NAMES", "sweep_ratios", "sweep_heatmap"]
+
+
+# --------------------------------------------------------------------------------------------
+# The measured chain of the Gluon kernel (experiments/gluon_timeline.py's record): chapter 4
+# draws it beside its schematic
+# --------------------------------------------------------------------------------------------
+
+#: a step's colour by its kind: chapter 4's schematic's (its chain cell), with the two kinds the
+#: measured chain adds: the barriers (the schematic's black lines) and the index loads
+TIMELINE_COLOURS = {"wait": "#e9e9e9", "copy": "#f4a259", "decode": "#f6d55c", "S": "#5b8fd1",
+                    "softmax": "#9d7cd8", "P": "#c9b6ee", "PV": "#3d6fb6", "barrier": "#4a4a4a",
+                    "index": "#a8d5ba"}
+#: the kinds that are stalls: a wait on an mbarrier, or on the other warpgroup at a barrier
+TIMELINE_STALLS = ("wait", "barrier")
+#: the lanes from the top of the figure down (the schematic's order), and how the page names them
+TIMELINE_LANES = {"producer": "producer\n(1 warpgroup)", "consumer warpgroup 0": "consumer\nwarpgroup 0",
+                  "consumer warpgroup 1": "consumer\nwarpgroup 1"}
+#: what the legend calls each kind
+_TIMELINE_KIND_NAMES = {"index": "index loads", "wait": "wait (mbarrier)", "barrier": "barrier",
+                        "copy": "cp.async copies, arrive", "decode": "ring loads, decode",
+                        "S": "S = Q·Kᵀ (wgmma, wait)", "softmax": "softmax step", "P": "P store, O rescale",
+                        "PV": "P·V (wgmma, wait)"}
+
+
+def _timeline_program(doc: dict, program: int) -> dict:
+    for prog in doc["programs"]:
+        if prog["program"] == program:
+            return prog
+    kept = [p["program"] for p in doc["programs"]]
+    raise ValueError(f"program: the record keeps programs {kept}, not {program}")
+
+
+def timeline_steps(doc: dict, program: int = 0):
+    """One program's measured steps as a table: per lane and step (in the chain's order) its
+    kind, median and largest length in ns over the stamped tiles, and its share of the lane's
+    stamped time (a tile's first step to its last; the gaps between tiles are the rest)."""
+    prog = _timeline_program(doc, program)
+    rows = []
+    for lane in TIMELINE_LANES:
+        tiles = prog["lanes"][lane]["tiles"]
+        if not tiles:
+            continue
+        span = tiles[-1][list(tiles[-1])[-1]][1] - tiles[0][list(tiles[0])[0]][0]
+        for step in doc["steps"][lane]:
+            ns = [t[step["name"]][1] - t[step["name"]][0] for t in tiles]
+            rows.append({"lane": lane, "step": step["name"], "kind": step["kind"],
+                         "median ns": float(np.median(ns)), "max ns": float(max(ns)),
+                         "share": sum(ns) / span if span > 0 else float("nan")})
+    return pd.DataFrame(rows)
+
+
+def timeline_figure(doc: dict, program: int = 0, title: str | None = None):
+    """One program's measured chain from a timeline record (``experiments/gluon_timeline.py``), at
+    full width: one lane per partition (the producer, then consumer warpgroups 0 and 1), a box
+    per step in the schematic's colours (:data:`TIMELINE_COLOURS`), stalls (:data:`TIMELINE_STALLS`)
+    hatched, the lane's time between one tile's last step and the next tile's first left blank
+    on its thin base line, and each tile's number over the consumers. x: us from the program's
+    first stamp. Returns the figure (the cell shows it)."""
+    from matplotlib.patches import Patch, Rectangle
+
+    prog = _timeline_program(doc, program)
+    fig, ax = plt.subplots(figsize=(11, 3.9))
+    kinds_seen, end = set(), 0.0
+    height, gap = 0.72, 0.28
+    for row, lane in enumerate(reversed(list(TIMELINE_LANES))):
+        y = row * (height + gap)
+        entry = prog["lanes"][lane]
+        kind_of = {s["name"]: s["kind"] for s in doc["steps"][lane]}
+        last = [b for t in entry["tiles"] for _a, b in t.values()]
+        lane_end = max(last) if last else 0.0
+        ax.plot([entry["open_ns"] / 1e3, lane_end / 1e3], [y + height / 2] * 2, color="#999999", lw=0.8, zorder=1)
+        for j, tile in enumerate(entry["tiles"]):
+            for name, (a, b) in tile.items():
+                kind = kind_of[name]
+                kinds_seen.add(kind)
+                stall = kind in TIMELINE_STALLS
+                ax.add_patch(Rectangle((a / 1e3, y), (b - a) / 1e3, height, fc=TIMELINE_COLOURS[kind],
+                                       ec="#333333" if stall else "none", lw=0.3, hatch="////" if stall else None,
+                                       zorder=2))
+            if lane == "consumer warpgroup 0":
+                first = tile[next(iter(tile))][0]
+                ax.text(first / 1e3, y + height + 0.05, f"tile {j}", fontsize=7.5, ha="left", va="bottom")
+        end = max(end, lane_end)
+    ax.set_yticks([row * (height + gap) + height / 2 for row in range(len(TIMELINE_LANES))],
+                  list(reversed(TIMELINE_LANES.values())), fontsize=9)
+    ax.set_ylim(-0.15, len(TIMELINE_LANES) * (height + gap) + 0.1)
+    ax.set_xlim(0, end / 1e3 * 1.01 if end else 1)
+    ax.set_xlabel("µs from the program's first stamp", fontsize=9.5)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    handles = [Patch(fc=TIMELINE_COLOURS[k], ec="#333333" if k in TIMELINE_STALLS else "none",
+                     hatch="////" if k in TIMELINE_STALLS else None, label=_TIMELINE_KIND_NAMES.get(k, k))
+               for k in TIMELINE_COLOURS if k in kinds_seen]
+    handles.append(Patch(fc="white", ec="#999999", label="blank: between tiles (loop, next query)"))
+    fig.legend(handles=handles, loc="lower center", ncol=5, fontsize=8, frameon=False)
+    shape, prov = doc["shape"], doc["provenance"]
+    n_tiles = len(prog["lanes"]["consumer warpgroup 0"]["tiles"])
+    title = title or (f"Measured: program {program} of {doc['launch']['programs']} (SM {prog['sm']}), its first "
+                      f"{n_tiles} tiles, {shape['name']} b = {shape['b']} on the {prov['gpu']}; the stamped build "
+                      f"took {doc['stamped_over_shipped']:.2f}x the shipped kernel's time")
+    ax.set_title(textwrap.fill(title, 120), fontsize=10, loc="left")
+    fig.tight_layout(rect=(0, 0.1 if len(handles) > 5 else 0.06, 1, 1))
+    return fig
+
+
+__all__ += ["TIMELINE_COLOURS", "TIMELINE_STALLS", "TIMELINE_LANES", "timeline_steps", "timeline_figure"]
