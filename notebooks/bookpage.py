@@ -121,7 +121,10 @@ def show(df, caption=None, digits=3, formats=None):
 
 
 class _Source:
-    """Highlighted source whose long lines wrap with a hanging indent instead of scrolling."""
+    """Highlighted source that keeps the code's own line breaks: a line longer than the page
+    scrolls sideways inside the listing rather than wrapping, so that every line break a reader
+    sees is one in the file. (Wrapped at the page's 78 characters, the package's longer lines
+    broke into continuations that read like lines of their own.)"""
 
     def __init__(self, code):
         self.code = code
@@ -130,16 +133,8 @@ class _Source:
         return self.code
 
     def _repr_html_(self):
-        html = highlight(self.code, PythonLexer(), HtmlFormatter(linespans="L"))
-        lines = self.code.splitlines()
-
-        def hang(m):
-            line = lines[int(m.group(1)) - 1]
-            n = len(line) - len(line.lstrip()) + 4
-            return f'<span style="display: block; padding-left: {n}ch; text-indent: -{n}ch">'
-
-        html = re.sub(r'<span id="L-(\d+)">', hang, html)
-        return html.replace("<pre>", '<pre style="white-space: pre-wrap">', 1)
+        html = highlight(self.code, PythonLexer(), HtmlFormatter())
+        return html.replace("<pre>", '<pre style="white-space: pre; overflow-x: auto">', 1)
 
 
 def source(*objs):
@@ -485,3 +480,77 @@ def timeline_figure(doc: dict, program: int = 0, title: str | None = None):
 
 
 __all__ += ["TIMELINE_COLOURS", "TIMELINE_STALLS", "TIMELINE_LANES", "timeline_steps", "timeline_figure"]
+
+
+# --------------------------------------------------------------------------------------------
+# The tensor-core kernel's history (results/h200/mma_versions.json), step by step: the ladder
+# the introduction opens with and chapter 4 ends with
+# --------------------------------------------------------------------------------------------
+
+#: the steps that changed the kernel, each with the versions of the log that make it up
+LADDER_STEPS = (
+    ("first cut: tl.dot, bf16 operands", ("v0",)),
+    ("tl.dot at its best", ("v4", "v6", "v7", "v9", "v10", "v11")),
+    ("first Gluon kernel: S once", ("v14", "v15")),
+    ("a producer partition", ("v18", "v19", "v19b")),
+    ("tokens as M", ("v20", "v20b", "v21")),
+    ("Q and O as 16-byte rows", ("v22",)),
+)
+#: the shapes the ladder reads: the ones the log timed most, and V4-TP8, which its later steps chase
+LADDER_SHAPES = (("DSA", 1), ("DSA", 128), ("V4-CSA", 128), ("V4-TP8", 32), ("V4-TP8", 128))
+LADDER_NOW, LADDER_FLASHMLA = "now: the record", "FlashMLA (V4-TP8: 64 heads)"
+
+
+def log_entry(tag: str, log: dict | None = None) -> dict:
+    """The version log's entry whose name starts with ``tag`` (``"v14"``)."""
+    log = load("mma_versions.json") if log is None else log
+    (entry,) = [v for v in log["versions"] if v["version"].split()[0] == tag]
+    return entry
+
+
+def version_ladder(shapes=LADDER_SHAPES) -> pd.DataFrame:
+    """The kernel's history as one row per step of :data:`LADDER_STEPS`, CUDA-graph us per call
+    at each shape (column ``"DSA b = 128"``): the time of the step's last version that timed the
+    shape (None where none did), then the record's ``impl="mma"`` (``"now: the record"``), then
+    FlashMLA in the record's run (:func:`flashmla_us`; at V4-TP8 its padded 64-head time). The
+    steps' times come from their own runs, not the record's."""
+    log = load("mma_versions.json")
+    mma = {(r["shape"], r["b"]): r["us_graph"] for r in record()["records"] if r["impl"] == "mma"}
+    flash, _ = flashmla_us()
+    col = {sh: f"{sh[0]} b = {sh[1]}" for sh in shapes}
+    rows = []
+    for what, tags in LADDER_STEPS:
+        row = {"step": what}
+        for sh in shapes:
+            got = [t for t in (log_entry(tag, log)["us"].get(f"{sh[0]} b{sh[1]}") for tag in tags)
+                   if t is not None]
+            row[col[sh]] = got[-1] if got else None
+        rows.append(row)
+    rows.append({"step": LADDER_NOW, **{col[sh]: mma[sh] for sh in shapes}})
+    rows.append({"step": LADDER_FLASHMLA, **{col[sh]: flash[sh] for sh in shapes}})
+    return pd.DataFrame(rows)
+
+
+__all__ += ["LADDER_STEPS", "LADDER_SHAPES", "LADDER_NOW", "LADDER_FLASHMLA", "log_entry", "version_ladder"]
+
+#: the implementations of the validation records (``scripts/gpu_validation.py``), as a page names
+#: them: the API's ``impl`` for what a call can ask for, words for the forms it forces
+IMPL_NAMES = {
+    "reference": "reference (PyTorch, float32)",
+    "simt": "SIMT kernel",
+    "mma": "mma (the launch rule's pick)",
+    "mma-tl": "tl.dot kernel, forced",
+    "tl_dot": "tl.dot kernel, forced",
+    "mma-wgmma": "Gluon, heads as M, forced",
+    "mma-wgmma-t16": "Gluon, tokens as M, 16 x 64, forced",
+    "mma-wgmma-t8": "Gluon, tokens as M, 8 x 128, forced",
+    "mma-wgmma-duo": "Gluon, two consumers, forced",
+}
+
+
+def impl_name(impl: str) -> str:
+    """A record's impl as the page names it (:data:`IMPL_NAMES`; an unknown one as it is)."""
+    return IMPL_NAMES.get(impl, impl)
+
+
+__all__ += ["IMPL_NAMES", "impl_name"]

@@ -68,3 +68,18 @@ def test_every_snippet_of_the_serving_page_runs():
             exec(compile(code, f"book/serving.md, snippet {i + 1}", "exec"), namespace)
         except Exception as e:  # noqa: BLE001
             pytest.fail(f"snippet {i + 1} of book/serving.md fails: {type(e).__name__}: {e}\n{code}")
+
+
+def test_the_serving_pages_config_example_is_the_shipped_table():
+    """The JSON example of book/serving.md is an excerpt of mla/configs/h200.json: its GPU, Triton
+    version, Gluon flag and every config it shows equal the shipped file's ("measured" is
+    abbreviated on the page)."""
+    import json
+    import re
+
+    (block,) = re.findall(r"^```json\n(.*?)^```", (ROOT / "book" / "serving.md").read_text(), flags=re.S | re.M)
+    example = json.loads(block)
+    shipped = json.loads((ROOT / "mla" / "configs" / "h200.json").read_text())
+    assert {k: v for k, v in example.items() if k not in ("measured", "tl_dot")} == \
+        {k: shipped[k] for k in example if k not in ("measured", "tl_dot")}
+    assert example["tl_dot"] and all(cfg == shipped["tl_dot"][bucket] for bucket, cfg in example["tl_dot"].items())

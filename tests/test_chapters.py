@@ -10,6 +10,10 @@
 - at least 80% of the code cells that glue numbers into the prose fold away (``hide-input``);
 - no page says the record beat FlashMLA at "12 of 12" shapes (it ran at nine of them);
 - chapters 4 and 5 have their pictures (the tile's chain; the tuning cost under two keys);
+- no page, notebook or the README says "lease" (the lab's word for a session on a machine);
+- ``bookpage.source()`` listings keep the code's own line breaks;
+- the introduction opens with the sweep's heatmap and the version ladder (``bookpage.version_ladder``,
+  which reads the version log and the record);
 - the sweep's shared table and heatmap (``bookpage.sweep_ratios``, ``sweep_heatmap``) read
   ``results/h200/sweep.json`` as the chapters quote it.
 """
@@ -36,7 +40,7 @@ import bookpage  # noqa: E402
 CHAPTERS = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
 APPENDIX = sorted(NOTEBOOKS.glob("appendix_*.ipynb"))
 PAGES = sorted((ROOT / "book").glob("*.md"))
-MAX_WORDS = 4600          # "about 4,500"
+MAX_WORDS = 4500
 
 #: page plumbing a notebook must take from bookpage, not define: its API and the old copies' names
 PAGE_HELPERS = set(bookpage.__all__) | {"WrappedCode", "Source", "_repr_html_", "hang"}
@@ -170,3 +174,63 @@ def test_the_chapters_draw_their_pictures(stem):
     (path,) = [p for p in CHAPTERS if p.stem == stem]
     plots = [c.source for c in _cells(path, "code") if "plt.subplots" in c.source or "plt.figure" in c.source]
     assert plots, f"{path.name} draws no figure"
+
+
+#: the lab's word for a session on a machine; the pages say machine, run, session or date
+LEASE = re.compile(r"\bleas(?:e|es|ed|ing)\b", re.I)
+WORDED_FILES = sorted({*(ROOT / "book").rglob("*.md"), *(ROOT / "book").rglob("*.py"), *NOTEBOOKS.glob("*.ipynb"),
+                       *NOTEBOOKS.glob("*.py"), ROOT / "README.md"})
+
+
+@pytest.mark.parametrize("path", WORDED_FILES, ids=[str(p.relative_to(ROOT)) for p in WORDED_FILES])
+def test_no_page_says_lease(path):
+    """Not in prose, code, comments or captions: a notebook is read whole, every cell."""
+    found = [line.strip()[:100] for line in path.read_text().splitlines() if LEASE.search(line)]
+    assert not found, f"{path.name} says 'lease': {found}"
+
+
+def test_lease_check_catches_the_word_and_spares_release():
+    assert LEASE.search("timed on another lease") and LEASE.search("two Leases") and not LEASE.search("release it")
+
+
+def test_source_listings_keep_the_codes_line_breaks():
+    """A listing's HTML holds the code's lines, no more and no fewer, and does not wrap them:
+    a line longer than the page scrolls inside the listing."""
+    import html
+
+    code = ("def f(a, b):\n    x = a + b" + " + a" * 40 + "  # a line far longer than the page's 78 characters\n"
+            "\n    return x\n")
+    out = bookpage._Source(code)._repr_html_()
+    text = html.unescape(re.sub(r"<[^>]+>", "", out))
+    assert text.strip("\n").splitlines() == code.strip("\n").splitlines()
+    assert "pre-wrap" not in out and "white-space: pre;" in out and "overflow-x: auto" in out
+
+
+def test_the_version_ladder_reads_the_log_and_the_record():
+    """One row per step (the time of the step's last version that timed the shape), then the
+    record's impl='mma', then FlashMLA of the record's run."""
+    log = bookpage.load("mma_versions.json")
+    by_tag = {v["version"].split()[0]: v for v in log["versions"]}
+    ladder = bookpage.version_ladder()
+    steps = [s for s, _ in bookpage.LADDER_STEPS]
+    assert list(ladder["step"]) == steps + [bookpage.LADDER_NOW, bookpage.LADDER_FLASHMLA]
+    mma = {(r["shape"], r["b"]): r["us_graph"] for r in bookpage.record()["records"] if r["impl"] == "mma"}
+    flash, _ = bookpage.flashmla_us()
+    for name, b in bookpage.LADDER_SHAPES:
+        col = ladder[f"{name} b = {b}"]
+        for k, (_, tags) in enumerate(bookpage.LADDER_STEPS):
+            timed = [by_tag[t]["us"][f"{name} b{b}"] for t in tags if f"{name} b{b}" in by_tag[t]["us"]]
+            assert (col[k] == timed[-1]) if timed else col.isna()[k], (name, b, k)
+        assert col.iloc[-2] == mma[(name, b)] and col.iloc[-1] == flash[(name, b)]
+    assert ladder.iloc[0]["DSA b = 128"] == by_tag["v0"]["us"]["DSA b128"]
+
+
+def test_the_intro_opens_with_the_ladder():
+    """book/intro.md is a MyST notebook whose first shown cells draw the sweep's heatmap and the
+    version ladder, before the story's first section."""
+    text = (ROOT / "book" / "intro.md").read_text()
+    assert text.startswith("---\njupytext:") and "kernelspec:" in text.split("---")[1]
+    cells = re.findall(r"```\{code-cell\} ipython3\n(?::tags: \[([\w-]+)\]\n)?(.*?)```", text, flags=re.S)
+    shown = [(text.index(src), src) for tags, src in cells if tags != "remove-cell"]
+    assert "sweep_heatmap(" in shown[0][1] and "version_ladder()" in shown[1][1]
+    assert shown[1][0] < text.index("\n## ")

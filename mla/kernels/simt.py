@@ -4,7 +4,8 @@ Each program gathers and dequantizes every selected token itself, scores it with
 products and ``tl.sum``, and keeps an online softmax in float32. The main and the extra cache
 go through the same running softmax. Simple and correct; its weakness is by design: the
 ``h_q`` programs of one query token each re-read, dequantize and score the same tokens, so the
-work grows with h_q (the re-reads mostly hit L2: the repeated on-chip work is the cost).
+work grows with h_q. (How many of the re-reads L2 serves was never measured; on the H200 the
+time follows the (head, token) pairs, not the bytes: chapter 2 of the book.)
 """
 from __future__ import annotations
 
