@@ -17,11 +17,9 @@ import sys
 import tempfile
 
 from . import configs, dispatch
-from .configs import GLUON_FORMS
+from .configs import GLUON_FORMS, SMEM_LIMIT
 from .kernels import combine, simt, tl_dot
 
-#: Largest shared memory a block may use, bytes (opt-in maximum), per architecture.
-SMEM_LIMIT = {80: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
 ARCHS = tuple(SMEM_LIMIT)
 
 # Argument types of the decode kernels, by name (pointer element types and scalars).
@@ -45,6 +43,10 @@ def _kernel(name: str):
         from .kernels.gluon_sm90 import gluon_decode_kernel
 
         return gluon_decode_kernel, True
+    if name == "gluon_portable_kernel":
+        from .kernels.gluon_portable import gluon_portable_kernel
+
+        return gluon_portable_kernel, True
     return {"tl_dot_decode_kernel": tl_dot.tl_dot_decode_kernel, "simt_decode_kernel": simt.simt_decode_kernel,
             "combine_kernel": combine.combine_kernel}[name], False
 
@@ -220,11 +222,23 @@ def gluon_variant(form: str = "heads as M", has_extra=True, lengths=True, align=
             "constexprs": {**_flags(has_extra, lengths), "ALIGN": align, **opts}}
 
 
+def portable_variant(arch: int, cfg, has_extra=True, lengths=True, align=16, asm: tuple = (),
+                     loops=False) -> dict:
+    """The portable Gluon kernel's variant for ``arch`` in a form
+    (:class:`~mla.configs.PortableConfig`; sink and lengths on)."""
+    return {"kernel": "gluon_portable_kernel", "arch": arch, "num_warps": 8, "num_stages": 1, "maxnreg": 0,
+            "loops": loops, "asm": list(asm),
+            "constexprs": {**_flags(has_extra, lengths), "BLOCK_H": cfg.block_h, "BLOCK_N": cfg.block_n,
+                           "FP8_NATIVE": arch >= 89, "ALIGN": align, "STAGES": cfg.stages}}
+
+
 def config_variant(arch: int, cfg, asm: tuple = (), loops: bool = False, has_extra: bool = True) -> dict:
     """The decode kernel's variant for ``arch`` under a :class:`~mla.configs.TlDotConfig` or a
     :class:`~mla.configs.GluonConfig`."""
     if cfg.kernel == "gluon":
         return gluon_variant(cfg.form, has_extra=has_extra, asm=asm, loops=loops)
+    if cfg.kernel == "gluon_portable":
+        return portable_variant(arch, cfg, has_extra=has_extra, asm=asm, loops=loops)
     return tl_dot_variant(arch, block_h=cfg.block_h, block_n=cfg.block_n, num_warps=cfg.num_warps,
                           num_stages=cfg.num_stages, dv_halves=cfg.dv_halves, has_extra=has_extra, asm=asm,
                           loops=loops)

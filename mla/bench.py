@@ -181,13 +181,19 @@ class Case:
         ``tl.dot`` kernel forced, with the shipped config and small-grid rule (what runs off
         Hopper); ``flashmla`` FlashMLA's own call, its metadata object made here and filled by its
         first call. ``tl_dot_sm80`` and ``tl_dot_sm89`` run the portable kernel as an A100 and an L40
-        compile it, with their generic tables (:mod:`mla.kernels.cross_arch`)."""
-        if impl in ("mma", "tl_dot") or impl in PORTABLE_ISAS:
+        compile it, with their generic tables (:mod:`mla.kernels.cross_arch`); ``gluon_portable``
+        (and ``_sm80``, ``_sm89``) the portable Gluon kernel, in the form that fits each one's shared
+        memory."""
+        if impl in ("mma", "tl_dot") or impl in PORTABLE_ISAS or impl in GLUON_PORTABLE:
+            s = self.shape
             if impl == "tl_dot":
-                s = self.shape
-                plan_options["config"] = dispatch.portable_config(self.q.device, s.b, s.s_q, s.h_q, s.topk_total)
+                plan_options["config"] = dispatch.tl_dot_launch_config(self.q.device, s.b, s.s_q, s.h_q, s.topk_total)
             elif impl in PORTABLE_ISAS:
                 plan_options["isa"] = PORTABLE_ISAS[impl]
+            elif impl in GLUON_PORTABLE:
+                isa = GLUON_PORTABLE[impl]
+                arch = isa or 10 * torch.cuda.get_device_capability(self.q.device)[0]
+                plan_options.update(config=dispatch.gluon_portable_config(arch, s.h_q), isa=isa)
             plan = api.plan(self.q, self.cache, self.index_sets[0], **self.kwargs(0), **plan_options)
             kwargs = [self.kwargs(i) for i in range(len(self.index_sets))]   # made once, as FlashMLA's are
 
@@ -392,7 +398,10 @@ def record(s: Shape, impl: str, us_graph: float, us_do_bench: float | None, ceil
 
 #: impls that time the portable kernel as another architecture compiles it, and that architecture
 PORTABLE_ISAS = {"tl_dot_sm80": 80, "tl_dot_sm89": 89}
-IMPL_NAMES = ("mma", "tl_dot", *PORTABLE_ISAS, "simt", "reference", "flashmla")
+#: the portable Gluon kernel (:mod:`mla.kernels.gluon_portable`): this GPU's code (0), or another
+#: architecture's
+GLUON_PORTABLE = {"gluon_portable": 0, "gluon_portable_sm80": 80, "gluon_portable_sm89": 89}
+IMPL_NAMES = ("mma", "tl_dot", *PORTABLE_ISAS, *GLUON_PORTABLE, "simt", "reference", "flashmla")
 #: what each impl stands for in the records: FlashMLA needs 64 or 128 heads, so at V4-TP8 (8
 #: heads) a server pads to 64 and pays the V4-CSA time, which stands for FlashMLA there
 FLASHMLA_HEADS = (64, 128)
@@ -465,7 +474,7 @@ def run(shapes=None, impls=None, out_dir="results", name="bench", pool_bytes=2e9
         runs = {i: [] for i in here}
         for _ in range(max(1, repeat)):          # the impls alternate, round after round
             for i in here:
-                runs[i].append(time_graph(case, calls[i], replays=20 if i in ("mma", "tl_dot", *PORTABLE_ISAS, "flashmla") else 5))
+                runs[i].append(time_graph(case, calls[i], replays=20 if i in ("mma", "tl_dot", *PORTABLE_ISAS, *GLUON_PORTABLE, "flashmla") else 5))
         loops = {}
         if eager:                 # mma (with its plan and without) and FlashMLA: their loops take turns
             looped = {i: calls[i] for i in here if i in ("mma", "flashmla")}
@@ -522,7 +531,7 @@ SWEEP_CONFIGS = {
 SWEEP_B = (1, 2, 8, 32, 64, 74, 128, 148, 256)
 #: the long config's largest batch: b 256 at s_q 2 would gather 8.4M tokens a call
 SWEEP_LONG_MAX_B = 148
-SWEEP_IMPLS = ("mma", "tl_dot", *PORTABLE_ISAS, "flashmla")
+SWEEP_IMPLS = ("mma", "tl_dot", *PORTABLE_ISAS, *GLUON_PORTABLE, "flashmla")
 
 
 def sweep_shapes() -> list[Shape]:
@@ -1050,7 +1059,7 @@ def main(argv=None) -> int:
         except RuntimeError as e:
             print(e, file=sys.stderr)
             return 2
-        for impl in ("mma", "tl_dot", *PORTABLE_ISAS):
+        for impl in ("mma", "tl_dot", *PORTABLE_ISAS, *GLUON_PORTABLE):
             for h, (n, gm, worst) in sweep_summary(doc, impl).items():
                 print(f"{impl} h_q {h}: {n} points, geometric mean {gm:.2f}x FlashMLA, worst {worst:.2f}x")
         print(f"wrote {doc['path']} ({doc['remaining']} points remaining)")

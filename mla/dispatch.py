@@ -26,7 +26,7 @@ import triton
 from triton.compiler import CompiledKernel
 
 from . import _runtime, configs, schedule
-from .configs import GLUON_FORMS, GluonConfig, TlDotConfig
+from .configs import GLUON_FORMS, GluonConfig, PortableConfig, TlDotConfig
 from .kernels import combine, cross_arch, tl_dot
 from .kernels.common import LOG2E, fp8_native
 from .kernels.simt import simt_sparse_decode
@@ -40,10 +40,10 @@ try:                       # Triton's runtime settings (launch hooks): Triton 3.
 except ImportError:
     knobs = None
 
-try:                       # Gluon's Hopper module: Triton 3.5 and newer
-    from .kernels import gluon_sm90
+try:                       # Gluon's Hopper module and the portable Gluon kernel: Triton 3.5 and newer
+    from .kernels import gluon_portable, gluon_sm90
 except (ImportError, AttributeError):
-    gluon_sm90 = None
+    gluon_portable = gluon_sm90 = None
 
 #: the SM count assumed under the interpreter (it sizes the split count only)
 INTERPRETER_SMS = 4
@@ -193,7 +193,13 @@ def tl_dot_config(device: torch.device, h_q: int) -> TlDotConfig:
     return configs.INTERPRETER.for_heads(h_q) if table is None else configs.bucket_config(table, h_q)
 
 
-def portable_config(device: torch.device, b: int, s_q: int, h_q: int, topk_total: int) -> TlDotConfig:
+def gluon_portable_config(arch: int, h_q: int) -> PortableConfig:
+    """The portable Gluon kernel's form for h_q on architecture ``arch``: the largest head block
+    whose program fits that architecture's shared memory (:func:`mla.configs.portable_generic`)."""
+    return configs.bucket_config(configs.portable_generic(arch), h_q)
+
+
+def tl_dot_launch_config(device: torch.device, b: int, s_q: int, h_q: int, topk_total: int) -> TlDotConfig:
     """The ``tl.dot`` config that runs these shapes where there is no Gluon kernel: the shipped
     config for h_q with the small-grid rule (:func:`fill_small_grid`), on this device's SMs."""
     return fill_small_grid(tl_dot_config(device, h_q), b, s_q, h_q, topk_total, sm_count(device))
@@ -244,8 +250,8 @@ def plan_launch(device: torch.device, b: int, s_q: int, h_q: int, topk: int, ext
         if table is None:
             fail("isa", f"another architecture's code runs on a CUDA GPU only (not the interpreter); this device is "
                         f"{device}")
-        if config is not None and config.kernel != "tl_dot":
-            fail("isa", "only the tl.dot kernel is compiled for another architecture")
+        if config is not None and config.kernel == "gluon":
+            fail("isa", "only the portable kernels (tl.dot, Gluon portable) are compiled for another architecture")
         table, gluon, native = configs.generic(isa), False, isa >= 89
     if config is not None:
         cfg = config.for_heads(h_q)
@@ -257,6 +263,14 @@ def plan_launch(device: torch.device, b: int, s_q: int, h_q: int, topk: int, ext
             if not align:
                 raise ValueError("config: the Gluon kernel copies cache rows 8 or 16 bytes at a time: it needs "
                                  "caches whose base addresses are multiples of 16 and page strides multiples of 8")
+        elif cfg.kernel == "gluon_portable":
+            if gluon_portable is None or _runtime.INTERPRET or device.type != "cuda":
+                raise ValueError("config: the portable Gluon kernel runs on a CUDA GPU (not the interpreter); this "
+                                 f"device is {device}")
+            if not align:
+                raise ValueError("config: the portable Gluon kernel copies cache rows 8 or 16 bytes at a time: it "
+                                 "needs caches whose base addresses are multiples of 16 and page strides multiples "
+                                 "of 8")
     elif table is None:                        # the interpreter: one small config
         cfg = tl_dot_config(device, h_q)
     else:
@@ -266,7 +280,8 @@ def plan_launch(device: torch.device, b: int, s_q: int, h_q: int, topk: int, ext
         programs, share = programs_for(cfg, n_q, h_q, topk, extra_topk, sms, has_lengths)
     else:
         share = 0
-    launch = Launch(cfg, programs, share, True, align if cfg.kernel == "gluon" else 0, native, isa)
+    launch = Launch(cfg, programs, share, True, align if cfg.kernel in ("gluon", "gluon_portable") else 0, native,
+                    isa)
     return dataclasses.replace(launch, combine=needs_combine(launch, n_q, topk, extra_topk, has_lengths))
 
 
@@ -327,6 +342,12 @@ class Launcher:
             self._module, self._name = gluon_sm90.kernel, "gluon_decode_kernel"
             grid, kw = gluon_sm90.launch_params(b * s_q, h_q, launch.programs, heads=heads, tile_tokens=tile_tokens,
                                                 two_consumers=pair, align=launch.align)
+        elif cfg.kernel == "gluon_portable":
+            self._module, self._name = (cross_arch, f"gluon_portable_sm{launch.isa}") if launch.isa else \
+                (gluon_portable, "gluon_portable_kernel")
+            grid, kw = gluon_portable.launch_params(h_q, launch.programs, block_h=cfg.block_h, block_n=cfg.block_n,
+                                                    fp8_native=launch.fp8_native, align=launch.align,
+                                                    stages=cfg.stages)
         else:
             self._module, self._name = (cross_arch, f"tl_dot_sm{launch.isa}") if launch.isa else \
                 (tl_dot, "tl_dot_decode_kernel")

@@ -15,7 +15,8 @@ probe with |q| beyond the fp16 range. "mma" is what a serving call runs (the lau
 the kernel per call); "mma-tl" and "mma-wgmma*" force one kernel on every case: the portable
 tl.dot kernel with its shipped configs, and on sm_90 the Gluon kernel's four forms
 (mla.configs.GLUON_FORMS); "mma-tl-sm80" and "mma-tl-sm89" the portable kernel as an A100 and an
-L40 compile it (their generic tables, mla.kernels.cross_arch), on the GPU in hand. The check is
+L40 compile it (their generic tables, mla.kernels.cross_arch), on the GPU in hand; "mma-gp*" the
+portable Gluon kernel (mla.kernels.gluon_portable), this GPU's code and those two's. The check is
 FlashMLA's whole check, the cosine difference included.
 """
 from __future__ import annotations
@@ -44,11 +45,13 @@ from mla import bench, dispatch  # noqa: E402
 from mla.configs import GluonConfig  # noqa: E402
 
 # "reference": fp32
-COUNTED = ("reference", "simt", "mma", "mma-tl", "mma-tl-sm80", "mma-tl-sm89", "mma-wgmma", "mma-wgmma-t16",
-           "mma-wgmma-t8", "mma-wgmma-duo")
+COUNTED = ("reference", "simt", "mma", "mma-tl", "mma-tl-sm80", "mma-tl-sm89", "mma-gp", "mma-gp-sm80",
+           "mma-gp-sm89", "mma-wgmma", "mma-wgmma-t16", "mma-wgmma-t8", "mma-wgmma-duo")
 GLUON = ("mma-wgmma", "mma-wgmma-t16", "mma-wgmma-t8", "mma-wgmma-duo")
 #: the portable kernel as an A100 and an L40 compile it, run on this (newer) GPU
 OTHER_ISAS = {"mma-tl-sm80": 80, "mma-tl-sm89": 89}
+#: the portable Gluon kernel: this GPU's code (0), or an A100's and an L40's
+GLUON_PORTABLE = {"mma-gp": 0, "mma-gp-sm80": 80, "mma-gp-sm89": 89}
 INFO_IMPLS = ("mma-bf16",)
 
 
@@ -62,12 +65,21 @@ def _tl_config(q, indices, kw):
     """The portable tl.dot kernel with its shipped config (two programs per head block on small grids)."""
     b, s_q, h_q, _ = q.shape
     total = indices.shape[-1] + (kw["extra_indices"].shape[-1] if kw.get("extra_k_cache") is not None else 0)
-    return dispatch.portable_config(q.device, b, s_q, h_q, total)
+    return dispatch.tl_dot_launch_config(q.device, b, s_q, h_q, total)
 
 
 def _other_isa(isa, q, k_cache, indices, **kw):
     """mla.sparse_decode with the portable kernel as sm_``isa`` compiles it (its generic table)."""
     return mla.sparse_decode(q, k_cache, indices, **kw, plan=mla.plan(q, k_cache, indices, **kw, impl="mma", isa=isa))
+
+
+def _gluon_portable(isa, q, k_cache, indices, **kw):
+    """mla.sparse_decode with the portable Gluon kernel in the form that fits sm_``isa``'s shared
+    memory (0: this GPU's code), compiled for that architecture."""
+    arch = isa or 10 * torch.cuda.get_device_capability(q.device)[0]
+    cfg = dispatch.gluon_portable_config(arch, q.shape[2])
+    return mla.sparse_decode(q, k_cache, indices, **kw,
+                             plan=mla.plan(q, k_cache, indices, **kw, impl="mma", config=cfg, isa=isa))
 
 
 def _gluon(form):
@@ -93,7 +105,8 @@ def _impls(names):
               "mma-wgmma-t16": functools.partial(_forced, _gluon("tokens as M, 16 x 64")),
               "mma-wgmma-t8": functools.partial(_forced, _gluon("tokens as M, 8 x 128")),
               "mma-wgmma-duo": functools.partial(_forced, _gluon("tokens as M, two consumers")),
-              **{n: functools.partial(_other_isa, isa) for n, isa in OTHER_ISAS.items()}}
+              **{n: functools.partial(_other_isa, isa) for n, isa in OTHER_ISAS.items()},
+              **{n: functools.partial(_gluon_portable, isa) for n, isa in GLUON_PORTABLE.items()}}
     return {n: forced.get(n) or functools.partial(mla.sparse_decode, impl=n) for n in names}
 
 
@@ -203,8 +216,8 @@ def main(argv=None) -> int:
     counted_impls = a.impls
     if not (on_gpu and torch.cuda.get_device_capability() == (9, 0)):     # the Gluon kernel is sm_90 only
         counted_impls = tuple(n for n in counted_impls if n not in GLUON)
-    if not on_gpu:                      # another architecture's code runs on a newer GPU only
-        counted_impls = tuple(n for n in counted_impls if n not in OTHER_ISAS)
+    if not on_gpu:                      # another architecture's code, and Gluon, run on a GPU only
+        counted_impls = tuple(n for n in counted_impls if n not in OTHER_ISAS and n not in GLUON_PORTABLE)
     jobs = [(sp, counted_impls, deadline, not a.no_leak_check, i, a.device)
             for i, sp in enumerate(_split(bench_specs + sched_specs + odd_specs, w))]
     jobs += [(sp, INFO_IMPLS + ("mma",), deadline, False, w + i, a.device) for i, sp in enumerate(_split(info_specs, 2))]

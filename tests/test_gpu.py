@@ -50,6 +50,30 @@ def test_an_older_architectures_code_runs_here_and_matches_the_reference(isa, na
     assert lse_ok.ok, str(lse_ok)
 
 
+@pytest.mark.parametrize("isa", [0, 80, 89])
+@pytest.mark.parametrize("programs", [None, 7])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_the_portable_gluon_kernel_matches_the_reference(isa, programs, name):
+    """The portable Gluon kernel (mla.kernels.gluon_portable) in the form each architecture's
+    shared memory takes, as this GPU compiles it (isa 0) and as an A100 and an L40 do, on the
+    launch rule's schedule and on 7 programs (shares that end mid-query)."""
+    from mla import dispatch
+
+    if isa and torch.cuda.get_device_capability() <= (isa // 10, isa % 10):
+        pytest.skip(f"sm_{isa} code runs on a newer GPU")
+    case = make_case(**SHAPES[name], device="cuda", seed=len(name))
+    arch = isa or 10 * torch.cuda.get_device_capability()[0]
+
+    def fn(**kw):
+        cfg = dispatch.gluon_portable_config(arch, kw["q"].shape[2])
+        plan = mla.plan(**kw, config=cfg, programs=programs, isa=isa)
+        assert plan.launch.config.kernel == "gluon_portable" and plan.launch.isa == isa
+        return mla.sparse_decode(**kw, plan=plan)
+    out_ok, lse_ok = run_case(fn, case)
+    assert out_ok.ok, str(out_ok)
+    assert lse_ok.ok, str(lse_ok)
+
+
 @pytest.mark.parametrize("variant", list(GLUON_FORMS))
 @pytest.mark.parametrize("programs", [None, 1, 7])
 @pytest.mark.parametrize("name", list(SHAPES))

@@ -11,7 +11,7 @@ import triton.language as tl
 
 import mla
 from mla import dispatch
-from mla.configs import GLUON_FORMS, GluonConfig, TlDotConfig
+from mla.configs import GLUON_FORMS, GluonConfig, PortableConfig, TlDotConfig
 from mla.kernels.common import e4m3_to_f32, ue8m0_to_f32
 from mla.validate import make_case, run_case
 
@@ -117,6 +117,26 @@ def test_another_architectures_code_is_refused_where_it_cannot_run_with_a_clear_
         mla.plan(**case, impl="mma", isa=120)
     with pytest.raises(ValueError, match="isa"):
         mla.plan(**case, impl="reference", isa=80)
+    with pytest.raises(ValueError, match="portable Gluon kernel runs on a CUDA GPU"):
+        mla.plan(**case, impl="mma", config=PortableConfig())
+
+
+def test_the_portable_kernels_forms_fit_each_architectures_shared_memory_and_registers():
+    """:func:`mla.configs.portable_generic`: per head bucket the largest head block whose
+    program fits the architecture's shared memory (the estimate, which the ahead-of-time test
+    holds above what the compiler allocates) and accumulator registers; 64 heads only on sm_90."""
+    from mla import configs
+
+    for arch in (80, 86, 89, 90, 100, 120):
+        for h, cfg in configs.portable_generic(arch).items():
+            assert configs.portable_shared_bytes(cfg) <= configs.smem_limit(arch)
+            assert cfg.block_h <= h and cfg.block_h * 512 // 256 <= configs.PORTABLE_ACCUMULATOR_REGS.get(arch, 64)
+    assert configs.portable_generic(90)[64] == PortableConfig(64, 64, 2)
+    assert configs.portable_generic(80)[64] == PortableConfig(32, 32, 3)        # 163 KB
+    assert configs.portable_generic(120)[64] == PortableConfig(16, 32, 2)       # 99 KB
+    assert configs.smem_limit(86) == configs.smem_limit(89) == 99 * 1024
+    with pytest.raises(ValueError, match="block_h"):
+        PortableConfig(block_h=8)
 
 
 def test_gluon_forms_name_their_heads_and_tiles():

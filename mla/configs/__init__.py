@@ -27,6 +27,12 @@ BUCKETS = (16, 32, 64, 128)
 MIN_BLOCK_H = 16
 
 
+def head_block(block_h: int, h_q: int) -> int:
+    """A config's head block for h_q: at most h_q rounded up to a power of two, at least 16."""
+    p2 = 1 << max(0, int(h_q) - 1).bit_length()
+    return max(MIN_BLOCK_H, min(block_h, p2))
+
+
 @dataclasses.dataclass(frozen=True)
 class TlDotConfig:
     """Launch parameters of the portable ``tl.dot`` kernel (:mod:`mla.kernels.tl_dot`)."""
@@ -52,9 +58,7 @@ class TlDotConfig:
         return "tl.dot" + (", split P.V" if self.dv_halves == 2 else "")
 
     def for_heads(self, h_q: int) -> "TlDotConfig":
-        """The head block for h_q: at most h_q rounded up to a power of two, at least 16."""
-        p2 = 1 << max(0, int(h_q) - 1).bit_length()
-        return dataclasses.replace(self, block_h=max(MIN_BLOCK_H, min(self.block_h, p2)))
+        return dataclasses.replace(self, block_h=head_block(self.block_h, h_q))
 
 
 #: The Gluon sm_90 kernel's forms: (heads per program, tokens per consumer tile, two consumers).
@@ -102,6 +106,75 @@ class GluonConfig:
 
     def for_heads(self, h_q: int) -> "GluonConfig":
         return self
+
+
+#: Largest shared memory a block may use, bytes (the opt-in maximum), per architecture.
+SMEM_LIMIT = {80: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
+
+
+def smem_limit(arch: int) -> int:
+    """:data:`SMEM_LIMIT` for ``arch``; sm_86 (A10, RTX 30xx) has sm_89's 99 KB, another
+    architecture the nearest one's below it."""
+    if arch == 86:
+        return SMEM_LIMIT[89]
+    known = [a for a in sorted(SMEM_LIMIT) if a <= arch]
+    return SMEM_LIMIT[known[-1]] if known else SMEM_LIMIT[80]
+
+
+@dataclasses.dataclass(frozen=True)
+class PortableConfig:
+    """The portable Gluon kernel (:mod:`mla.kernels.gluon_portable`): heads per program (the M of
+    the dots), tokens per tile and ring stages (``stages - 1`` tiles' copies in flight)."""
+
+    block_h: int = 64
+    block_n: int = 64
+    stages: int = 2
+
+    def __post_init__(self):
+        if self.block_h not in (16, 32, 64) or self.block_n not in (32, 64) or self.stages < 2:
+            raise ValueError(f"config: block_h 16, 32 or 64, block_n 32 or 64, stages >= 2; got {self}")
+
+    @property
+    def kernel(self) -> str:
+        return "gluon_portable"
+
+    @property
+    def label(self) -> str:
+        return f"Gluon portable, {self.block_h} heads x {self.block_n} tokens, {self.stages} stages"
+
+    def for_heads(self, h_q: int) -> "PortableConfig":
+        return dataclasses.replace(self, block_h=head_block(self.block_h, h_q))
+
+
+def portable_shared_bytes(cfg: PortableConfig) -> int:
+    """Shared memory of a portable-kernel program: Q and the tile buffer in fp16, the ring's stages
+    (per token 512 FP8 bytes with group 7 unused, 128 of rope, 8 of scales) and the scratch of P's
+    move into the A operand's layout."""
+    return 2 * 512 * (cfg.block_h + cfg.block_n) + cfg.stages * cfg.block_n * (512 + 128 + 8) \
+        + 2 * cfg.block_h * cfg.block_n
+
+
+#: the portable kernel's forms, largest head block first: the launch takes the first that fits
+PORTABLE_FORMS = (PortableConfig(64, 64, 2), PortableConfig(32, 64, 2), PortableConfig(32, 32, 3),
+                  PortableConfig(16, 64, 2), PortableConfig(16, 32, 2))
+
+
+#: registers per thread that the portable kernel's output accumulator may take: 128 (64 heads) on
+#: sm_90; elsewhere 64 (32 heads), at which every form's loop compiles without a spill
+#: (tests/test_aot.py)
+PORTABLE_ACCUMULATOR_REGS = {90: 128}
+
+
+def portable_generic(arch: int) -> dict:
+    """The portable kernel's table for sm_``arch``: per head bucket the first form of
+    :data:`PORTABLE_FORMS` (for that bucket's heads) that fits the architecture's shared memory
+    (:func:`smem_limit`) and whose accumulator share fits :data:`PORTABLE_ACCUMULATOR_REGS`."""
+    limit, regs = smem_limit(arch), PORTABLE_ACCUMULATOR_REGS.get(arch, 64)
+    table = {}
+    for h in (16, 32, 64, 128):
+        table[h] = next(c.for_heads(h) for c in PORTABLE_FORMS if portable_shared_bytes(c.for_heads(h)) <= limit
+                        and c.for_heads(h).block_h * 512 // (32 * 8) <= regs)
+    return table
 
 
 #: Registers per thread that a ``tl.dot`` program's share of its output accumulator may take on

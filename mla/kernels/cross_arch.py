@@ -1,13 +1,13 @@
-"""The portable ``tl.dot`` kernel as Triton compiles it for an older architecture, run on the GPU in
-hand.
+"""The portable kernels as Triton compiles them for an older architecture, run on the GPU in hand.
 
 An A100 (sm_80) or an L40 (sm_89) runs the kernel as Triton lowers it for that target: ``mma.sync``
 instead of wgmma, the loads and the register allocation of that target, the FP8 decode in integer
 arithmetic on sm_80. PTX is forward compatible, so the PTX Triton emits for sm_80 or sm_89,
 assembled by ptxas for this GPU, runs here: the same instruction stream, with that target's
 layouts and its registers, on this GPU's SMs and memory system (not that GPU's SM count, shared
-memory per SM or DRAM). ``tl_dot_sm80`` and ``tl_dot_sm89`` (module attributes, made on first use)
-are the kernel as such JIT functions; the launch rule runs them for a plan made with ``isa``.
+memory per SM or DRAM). ``tl_dot_sm80``, ``gluon_portable_sm89`` and the like (module attributes,
+made on first use) are the kernels as such JIT functions; the launch rule runs them for a plan made
+with ``isa``.
 """
 from __future__ import annotations
 
@@ -23,6 +23,13 @@ from triton.compiler import make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from . import tl_dot
+
+try:                       # Gluon: Triton 3.5 and newer
+    from triton.experimental.gluon._runtime import GluonJITFunction
+
+    from . import gluon_portable
+except (ImportError, AttributeError):
+    GluonJITFunction = gluon_portable = None
 
 #: the architectures whose code can run on a newer GPU this way (sm_100 and sm_120 PTX use
 #: instructions of their own and cannot be assembled for sm_90)
@@ -57,16 +64,14 @@ def ptx_target(ptx: str) -> str:
     return m.group(1) if m else "unknown"
 
 
-class CrossArchJIT(JITFunction):
-    """A JIT function that specializes and compiles like any other (from the call's arguments) but
-    for target sm_``isa``, then assembles the PTX for the GPU it launches on."""
+class _CrossArch:
+    """What makes a JIT function compile for target sm_``isa`` (specialized, like any other, from
+    the call's arguments) and assemble the PTX for the GPU it launches on."""
 
-    def __init__(self, jit_fn: JITFunction, isa: int, do_not_specialize=()):
+    def _cross(self, isa: int):
         if isa not in ISAS:
             raise ValueError(f"isa: expected one of {ISAS}, got {isa!r}")
-        super().__init__(jit_fn.fn, do_not_specialize=list(do_not_specialize))
-        self.isa = isa
-        self.device_arch = None
+        self.isa, self.device_arch = isa, None
 
     def create_binder(self):
         kernel_cache, key_cache, target, _backend, _binder = super().create_binder()
@@ -90,14 +95,35 @@ class CrossArchJIT(JITFunction):
         return compiled
 
 
+class CrossArchJIT(_CrossArch, JITFunction):
+    """A ``@triton.jit`` kernel compiled for sm_``isa`` (:class:`_CrossArch`)."""
+
+    def __init__(self, jit_fn, isa: int, do_not_specialize=()):
+        super().__init__(jit_fn.fn, do_not_specialize=list(do_not_specialize))
+        self._cross(isa)
+
+
+if GluonJITFunction is not None:
+    class CrossArchGluonJIT(_CrossArch, GluonJITFunction):
+        """A ``@gluon.jit`` kernel compiled for sm_``isa`` (:class:`_CrossArch`)."""
+
+        def __init__(self, jit_fn, isa: int, do_not_specialize=()):
+            super().__init__(jit_fn.fn, do_not_specialize=list(do_not_specialize))
+            self._cross(isa)
+
+
 @functools.lru_cache(maxsize=None)
-def kernel(isa: int) -> CrossArchJIT:
-    """The ``tl.dot`` decode kernel as sm_``isa`` compiles it."""
-    return CrossArchJIT(tl_dot.tl_dot_decode_kernel, isa, tl_dot.DO_NOT_SPECIALIZE)
+def kernel(name: str, isa: int):
+    """The decode kernel ``name`` (``tl_dot`` or ``gluon_portable``) as sm_``isa`` compiles it."""
+    if name == "tl_dot":
+        return CrossArchJIT(tl_dot.tl_dot_decode_kernel, isa, tl_dot.DO_NOT_SPECIALIZE)
+    if name == "gluon_portable" and gluon_portable is not None:
+        return CrossArchGluonJIT(gluon_portable.gluon_portable_kernel, isa, gluon_portable.DO_NOT_SPECIALIZE)
+    raise ValueError(f"no kernel {name!r} to compile for another architecture")
 
 
 def __getattr__(name: str):
-    m = re.fullmatch(r"tl_dot_sm(\d+)", name)
-    if m and int(m.group(1)) in ISAS:
-        return kernel(int(m.group(1)))
+    m = re.fullmatch(r"(tl_dot|gluon_portable)_sm(\d+)", name)
+    if m and int(m.group(2)) in ISAS:
+        return kernel(m.group(1), int(m.group(2)))
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
