@@ -48,7 +48,7 @@ nbsetup() {
       serving) step "${SERVING_S:-120}" python3 -m mla.bench --serving --out "$OUT/res" ;;
       profile) mkdir -p "$OUT/ncu"
         for impl in ${PROFILE_IMPLS:-tl_dot tl_dot_sm80}; do for shape in ${PROFILE_SHAPES:-DSA:128 DSA:8}; do
-          step "${PROFILE_S:-90}" env IMPL="$impl" SHAPE="$shape" CALLS=6 ncu --clock-control none -k regex:tl_dot \
+          step "${PROFILE_S:-90}" env IMPL="$impl" SHAPE="$shape" CALLS=6 ncu --clock-control none -k regex:"tl_dot|gluon_portable" \
             --launch-skip 3 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
             --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats \
             --section ComputeWorkloadAnalysis --section InstructionStats python3 experiments/profile_call.py \
