@@ -12,9 +12,9 @@ from triton.compiler import CompiledKernel
 import mla
 import mla.flash_mla as flash_mla
 from mla import api, bench, dispatch, layout
-from mla.validate import make_case, run_case
+from mla.validate import check_against_reference, make_case, run_case
 
-from conftest import DEVICE as DEV
+from conftest import DEVICE as DEV, pool_views
 
 
 @pytest.fixture
@@ -110,6 +110,43 @@ def test_a_plan_owns_its_split_workspace_and_a_cached_plan_none(case):
             mla.sparse_decode(**case)
         mla.sparse_decode(**case, plan=plan)
     assert len(made) == 2 and made[0][2].data_ptr() != plan.workspace[2].data_ptr()
+
+
+def _views_case(n_views, seed, b=2, h_q=8, topk=24, page=16, blocks=2):
+    """q, indices (some -1) and a sink, and ``n_views`` caches ``[blocks, page, 1, 584]``, views of
+    one pool at different offsets, each with its own latents."""
+    g = torch.Generator().manual_seed(seed)
+    views = [v.unsqueeze(-2) for v in pool_views([blocks] * n_views, page, DEV, g)]
+    idx = torch.randint(-1, blocks * page, (b, 1, topk), generator=g, dtype=torch.int32)
+    return views, dict(q=torch.randn(b, 1, h_q, 512, generator=g).bfloat16().to(DEV), indices=idx.to(DEV),
+                       attn_sink=torch.randn(h_q, generator=g).to(DEV))
+
+
+def _assert_matches_reference(out, lse, **call):
+    out_ok, lse_ok = check_against_reference(out, lse, *mla.sparse_decode_reference(**call, out_dtype=torch.float64))
+    assert out_ok.ok and lse_ok.ok, (str(out_ok), str(lse_ok))
+
+
+def test_one_plan_serves_views_of_a_pool_at_any_offset_and_checks_each_fits_its_storage():
+    """A plan holds no address: one made for a pool's first view serves a view at another offset
+    (of the same shape and strides), reading that view. What the offset decided before, that a
+    view fits its storage, each call checks: a storage shrunk after the plan was made is a
+    ValueError naming the cache, not a read past its end."""
+    (first, other), kw = _views_case(2, seed=3)
+    plan = mla.plan(kw["q"], first, kw["indices"], attn_sink=kw["attn_sink"])
+    assert plan.fits(kw["q"], other, kw["indices"], attn_sink=kw["attn_sink"])
+    out, lse = mla.sparse_decode(kw["q"], other, kw["indices"], attn_sink=kw["attn_sink"], plan=plan)
+    _assert_matches_reference(out, lse, k_cache=other, **kw)
+    assert not torch.equal(out, mla.sparse_decode(kw["q"], first, kw["indices"], attn_sink=kw["attn_sink"])[0])
+    other.untyped_storage().resize_(other.storage_offset() + layout.span_bytes(other) - 1)
+    with pytest.raises(ValueError, match="^k_cache: the tensor's pages reach past the end of its storage"):
+        mla.sparse_decode(kw["q"], other, kw["indices"], attn_sink=kw["attn_sink"], plan=plan)
+    (main,), kw = _views_case(1, seed=4)
+    (extra,), _ = _views_case(1, seed=5)                 # a pool of its own
+    plan = mla.plan(kw["q"], main, kw["indices"], extra_k_cache=extra, extra_indices=kw["indices"])
+    extra.untyped_storage().resize_(0)
+    with pytest.raises(ValueError, match="^extra_k_cache: the tensor's pages reach past"):
+        mla.sparse_decode(kw["q"], main, kw["indices"], extra_k_cache=extra, extra_indices=kw["indices"], plan=plan)
 
 
 def test_plans_for_every_impl(case):
