@@ -327,6 +327,82 @@ def test_code_written_for_flashmla_runs_unchanged(case):
     assert torch.equal(kw[0], out)
 
 
+def test_one_metadata_object_serves_60_layers_whose_caches_are_views_of_one_pool(plans_made, monkeypatch):
+    """Issue #53: vLLM's ~60 V4 layers of a type share one metadata object a step, and every
+    layer's cache is a view of one allocation at its own offset. Through mla.flash_mla that is one
+    plan (its signature holds no address) and one split workspace, the plan's, reused by every
+    call; each layer reads its own view (every call through the kernel; a few layers' outputs
+    against the reference)."""
+    views, kw = _views_case(60, seed=6)
+    workspaces = []
+    real = dispatch.workspace
+    monkeypatch.setattr(dispatch, "workspace", lambda *a: workspaces.append(real(*a)) or workspaces[-1])
+    meta, _ = flash_mla.get_mla_metadata()
+    outs = [flash_mla.flash_mla_with_kvcache(kw["q"], view, None, None, 512, meta, is_fp8_kvcache=True,
+                                             indices=kw["indices"], attn_sink=kw["attn_sink"]) for view in views]
+    assert len(plans_made) == 1 and meta.plan is plans_made[0] and len(workspaces) == 1
+    assert meta.plan.workspace[2] is workspaces[0][2]
+    for layer in (0, 29, 59):
+        _assert_matches_reference(*outs[layer], k_cache=views[layer], **kw)
+    assert not torch.equal(outs[0][0], outs[59][0])
+
+
+def _flashmla_arguments(case) -> dict:
+    """A make_case case as FlashMLA's keyword arguments (but the metadata and the ignored ones)."""
+    return dict(q=case["q"], k_cache=case["k_cache"], head_dim_v=512, is_fp8_kvcache=True, indices=case["indices"],
+                attn_sink=case["attn_sink"], topk_length=case["topk_length"], extra_k_cache=case["extra_k_cache"],
+                extra_indices_in_kvcache=case["extra_indices"], extra_topk_length=case["extra_topk_length"])
+
+
+def test_flashmla_writes_out_in_place_and_checks_it_by_name(case):
+    """vLLM's out=: the buffer, written in place and returned, holds what a call without it
+    returns; one of the wrong dtype, shape or layout, or no tensor, is a ValueError naming out."""
+    call = dict(_flashmla_arguments(case), block_table=None, cache_seqlens=None)
+    meta, _ = flash_mla.get_mla_metadata()
+    want = flash_mla.flash_mla_with_kvcache(**call, tile_scheduler_metadata=meta)
+    out = torch.full_like(want[0], float("nan"))
+    got = flash_mla.flash_mla_with_kvcache(**call, tile_scheduler_metadata=meta, out=out)
+    assert got[0] is out and torch.equal(out, want[0]) and torch.equal(got[1], want[1])
+    for bad in (out.float(), out[:, :1], out.transpose(0, 1).contiguous().transpose(0, 1), "out"):
+        with pytest.raises(ValueError, match="^out:"):
+            flash_mla.flash_mla_with_kvcache(**call, tile_scheduler_metadata=meta, out=bad)
+
+
+def test_flashmla_ignores_a_block_table_and_sequence_lengths_beside_indices(case):
+    """vLLM's sparse backend passes a dummy block table (``torch.empty``) and cache lengths with
+    its indices; FlashMLA's sparse decode ignores them, and so does mla.flash_mla."""
+    call = _flashmla_arguments(case)
+    want = flash_mla.flash_mla_with_kvcache(**call, block_table=None, cache_seqlens=None,
+                                            tile_scheduler_metadata=flash_mla.get_mla_metadata()[0])
+    got = flash_mla.flash_mla_with_kvcache(**call, block_table=torch.empty(8, 1, dtype=torch.int32, device=DEV)[:2],
+                                           cache_seqlens=torch.full((8,), 4096, dtype=torch.int32, device=DEV)[:2],
+                                           tile_scheduler_metadata=flash_mla.get_mla_metadata()[0])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("with_out", [False, True])
+def test_a_compiled_function_calling_flash_mla_traces_without_a_graph_break(with_out):
+    """torch.compile(fullgraph=True) of a function that calls mla.flash_mla.flash_mla_with_kvcache
+    (the metadata object made outside it, as a server makes it per step), with and without out=:
+    it traces (the call is the custom op there) and returns, and writes, what the eager call does."""
+    case = make_case(b=2, s_q=1, h_q=4, topk=16, page=16, lengths=True, seed=8, device=DEV)
+    meta, _ = flash_mla.get_mla_metadata()
+    out = torch.full_like(case["q"], float("nan"))
+    given = {"out": out} if with_out else {}
+
+    def attend(q, k_cache, indices, sink, lengths):
+        return flash_mla.flash_mla_with_kvcache(q, k_cache, None, None, 512, meta, softmax_scale=0.05,
+                                                is_fp8_kvcache=True, indices=indices, attn_sink=sink,
+                                                topk_length=lengths, **given)
+    torch._dynamo.reset()
+    got = torch.compile(attend, fullgraph=True, backend="aot_eager")(
+        case["q"], case["k_cache"], case["indices"], case["attn_sink"], case["topk_length"])
+    want = mla.sparse_decode(**case, softmax_scale=0.05)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    if with_out:
+        assert torch.equal(out, want[0])
+
+
 def test_flashmla_metadata_mismatches_are_value_errors(case):
     meta, none = flash_mla.get_mla_metadata(torch.zeros(2), 64, 1)       # the old interface's arguments
     assert none is None
@@ -346,7 +422,8 @@ def test_flashmla_metadata_mismatches_are_value_errors(case):
     (dict(causal=True), "causal"),
     (dict(num_splits=4), "num_splits"),
     (dict(head_dim_v=448), "head_dim_v"),
-    (dict(block_table=torch.zeros(2, 4, dtype=torch.int32)), "block_table"),
+    (dict(block_table=[[0, 1], [2, 3]]), "block_table"),         # ignored with indices, but not a tensor
+    (dict(cache_seqlens=64), "cache_seqlens"),
     (dict(q=torch.zeros(2, 2, 5, 576, dtype=torch.bfloat16)), "q"),
     (dict(k_cache=torch.zeros(4, 16, 1, 656, dtype=torch.float8_e4m3fn)), "k_cache"),
 ])
