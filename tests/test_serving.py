@@ -304,29 +304,6 @@ def test_a_compiled_step_writes_and_decodes_without_a_graph_break():
 # --- FlashMLA's own call ---------------------------------------------------------------------
 
 
-def test_code_written_for_flashmla_runs_unchanged(case):
-    """The call as FlashMLA's decode test makes it (lib.run_flash_mla_decode): all sixteen
-    arguments positional, the metadata from get_mla_metadata(), filled by the first call."""
-    meta, _ = flash_mla.get_mla_metadata()
-    assert not meta.have_initialized
-    sm_scale = 512 ** -0.5
-    positional = (case["q"], case["k_cache"], None, None, 512, meta, None, sm_scale, False, True, case["indices"],
-                  case["attn_sink"], case["extra_k_cache"], case["extra_indices"], case["topk_length"],
-                  case["extra_topk_length"])
-    out, lse = flash_mla.flash_mla_with_kvcache(*positional)
-    assert meta.have_initialized and meta.config.h_q == 5 and meta.config.extra_topk == 24
-    want = mla.sparse_decode(**case, softmax_scale=sm_scale)
-    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
-    again = flash_mla.flash_mla_with_kvcache(*positional)          # later calls only check
-    assert torch.equal(again[0], out)
-    kw = flash_mla.flash_mla_with_kvcache(case["q"], case["k_cache"], None, None, 512, meta, is_fp8_kvcache=True,
-                                          indices=case["indices"], attn_sink=case["attn_sink"],
-                                          extra_k_cache=case["extra_k_cache"],
-                                          extra_indices_in_kvcache=case["extra_indices"],
-                                          topk_length=case["topk_length"], extra_topk_length=case["extra_topk_length"])
-    assert torch.equal(kw[0], out)
-
-
 def test_one_metadata_object_serves_60_layers_whose_caches_are_views_of_one_pool(plans_made, monkeypatch):
     """Issue #53: vLLM's ~60 V4 layers of a type share one metadata object a step, and every
     layer's cache is a view of one allocation at its own offset. Through mla.flash_mla that is one
