@@ -4,8 +4,15 @@ call once, :func:`sparse_decode` runs it.
 A plan holds everything that depends only on the shapes, the flags and the device: the impl,
 the kernel with its form, config and split count (:mod:`mla.dispatch`), and the split
 partials' workspace. It checks the inputs once; a call with the plan checks only that its
-arguments are consistent with it (a cheap comparison of shapes, dtypes and devices) and
-launches. A call without a plan finds one in a small cache keyed on the same facts.
+arguments are consistent with it (a cheap comparison of shapes, strides, dtypes and devices)
+and that its caches fit their storage, and launches. A call without a plan finds one in a small
+cache keyed on the same facts.
+
+A plan never depends on an address: the layers of a step, whose caches are views of one pool
+at different offsets, share one plan. What an address decides is checked per call: a cache
+view must fit its storage (:func:`planned_call`), and a Gluon plan's caches must start at
+multiples of 16 bytes (:class:`mla.dispatch.Launcher`; a plan made for a cache that does not
+runs the ``tl.dot`` kernel, which reads any address).
 """
 from __future__ import annotations
 
@@ -17,7 +24,7 @@ import torch
 
 from . import _runtime, dispatch
 from .kernels import writer
-from .layout import D_QK, TOKEN_BYTES, check_cache, fail
+from .layout import D_QK, PAST_STORAGE, TOKEN_BYTES, check_cache, fail, span_bytes
 from .reference import sparse_decode_reference
 
 IMPLS = ("auto", "mma", "simt", "reference")
@@ -128,19 +135,19 @@ def resolve_impl(impl: str, device: torch.device) -> str:
 
 def signature(q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
                extra_topk_length) -> tuple:
-    """What a plan is made for, one entry per argument: shapes, strides, dtypes and devices (and
-    the caches' page strides, offsets and storage sizes), and the scale with its type. Building
-    it is the whole check of a planned call, so it is written out flat."""
+    """What a plan is made for, one entry per argument: shapes, strides (the caches' page strides
+    among them), dtypes and devices, and the scale with its type; no address, so the caches of
+    every layer, views of one pool at different offsets, have one signature. Building it is the
+    whole check of a planned call but the storage one (:func:`planned_call`), so it is written
+    out flat."""
     e = extra_k_cache
     return ((q.shape, q.stride(), q.dtype, q.device),
-            (k_cache.shape, k_cache.stride(), k_cache.storage_offset(), k_cache.untyped_storage().nbytes(),
-             k_cache.dtype, k_cache.device),
+            (k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device),
             (indices.shape, indices.stride(), indices.dtype, indices.device), (type(softmax_scale), softmax_scale),
             None if attn_sink is None else (attn_sink.shape, attn_sink.stride(), attn_sink.dtype, attn_sink.device),
             None if topk_length is None else (topk_length.shape, topk_length.stride(), topk_length.dtype,
                                               topk_length.device),
-            None if e is None else (e.shape, e.stride(), e.storage_offset(), e.untyped_storage().nbytes(), e.dtype,
-                                    e.device),
+            None if e is None else (e.shape, e.stride(), e.dtype, e.device),
             None if extra_indices is None else (extra_indices.shape, extra_indices.stride(), extra_indices.dtype,
                                                 extra_indices.device),
             None if extra_topk_length is None else (extra_topk_length.shape, extra_topk_length.stride(),
@@ -151,8 +158,9 @@ def signature(q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_
 class Plan:
     """A decided call (:func:`plan`): the impl and, for ``"mma"``, the launch (kernel, form,
     config, schedule: ``plan.launch``), for every call whose arguments have the shapes, strides,
-    dtypes and devices it was made for. A plan made by :func:`plan` owns its split workspace: calls with one
-    plan must run in order on one stream, as the layers of a decode step do."""
+    dtypes and devices it was made for, wherever its caches are. A plan made by :func:`plan`
+    owns its split workspace, reused by every call: calls with one plan must run in order on one
+    stream, as the layers of a decode step do."""
 
     impl: str
     signature: tuple
@@ -160,6 +168,9 @@ class Plan:
     workspace: tuple = (None, None, None)
     #: what a call's fresh ``out`` and ``lse`` are made like (:func:`_output_templates`)
     outputs: tuple = ()
+    #: the bytes each cache spans (:func:`mla.layout.span_bytes`; 0 for no extra cache), which a
+    #: call's caches must find in their storage past their offsets
+    spans: tuple = (0, 0)
 
     @property
     def launch(self) -> dispatch.Launch | None:
@@ -206,11 +217,12 @@ def _make_plan(sig, q, k_cache, indices, softmax_scale, attn_sink, topk_length, 
     impl = resolve_impl(impl, q.device)
     b, s_q, h_q, _ = q.shape
     outputs = _output_templates(b, s_q, h_q, q.device)
+    spans = (span_bytes(k_cache), 0 if extra_k_cache is None else span_bytes(extra_k_cache))
     if impl != "mma":
         if config is not None or programs is not None or isa:
             fail("config" if config is not None else "programs" if programs is not None else "isa",
                  f"only impl='mma' takes a config; got impl={impl!r}")
-        return Plan(impl, sig, outputs=outputs)
+        return Plan(impl, sig, outputs=outputs, spans=spans)
     extra_topk = extra_indices.shape[-1] if extra_k_cache is not None else 0
     align = dispatch.gluon_align(k_cache, extra_k_cache)
     if programs is not None and (not isinstance(programs, int) or programs < 1):
@@ -221,7 +233,7 @@ def _make_plan(sig, q, k_cache, indices, softmax_scale, attn_sink, topk_length, 
     ws = dispatch.workspace(launch, b, s_q, h_q, q.device) if own_workspace else (None, None, None)
     launcher = dispatch.Launcher(launch, q, k_cache, indices, attn_sink, topk_length, extra_k_cache, extra_indices,
                                  extra_topk_length, softmax_scale)
-    return Plan("mma", sig, launcher, ws, outputs)
+    return Plan("mma", sig, launcher, ws, outputs, spans)
 
 
 def plan(q, k_cache, indices, *, softmax_scale=None, attn_sink=None, topk_length=None, extra_k_cache=None,
@@ -348,8 +360,15 @@ def sparse_decode(q, k_cache, indices, *, softmax_scale=None, attn_sink=None, to
 
 def planned_call(plan, sig, q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache,
                   extra_indices, extra_topk_length, out, lse):
-    """Run a call that matches ``plan`` (its signature ``sig`` already compared): the output
-    buffers, then the launches."""
+    """Run a call that matches ``plan`` (its signature ``sig`` already compared): the caches'
+    storage, the output buffers, then the launches. The signature holds no offset, so this is
+    where a view into a pool is checked to fit its storage (a storage resized after the plan was
+    made, say)."""
+    main_span, extra_span = plan.spans
+    if k_cache.storage_offset() + main_span > k_cache.untyped_storage().nbytes():
+        fail("k_cache", PAST_STORAGE)
+    if extra_span and extra_k_cache.storage_offset() + extra_span > extra_k_cache.untyped_storage().nbytes():
+        fail("extra_k_cache", PAST_STORAGE)
     q_shape, _, _, dev = sig[0]
     b, s_q, h_q, _ = q_shape
     if out is None:

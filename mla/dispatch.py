@@ -417,7 +417,7 @@ class Launcher:
         if self.launch.align and (a_kc | a_ec) & 15:
             fail("k_cache" if a_kc & 15 else "extra_k_cache",
                  "its address is not a multiple of 16 bytes, which the plan's Gluon kernel copies need: make a "
-                 "new plan for it")
+                 "new plan for it (through mla.flash_mla, a new metadata object)")
         return None
 
 

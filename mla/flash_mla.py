@@ -5,9 +5,20 @@
 The path it covers is FlashMLA's sparse decode over the DeepSeek-V4 "MODEL1" FP8 cache
 (``d_qk`` 512, 584-byte tokens): ``indices`` given, ``is_fp8_kvcache=True``, ``head_dim_v`` 512.
 Dense decode, the V3.2 cache (``d_qk`` 576) and bf16 caches are refused with a ValueError that
-says so. As in FlashMLA, the metadata object is filled by its first call (here with a
-:class:`mla.Plan`) and later calls only check that they match it; where FlashMLA asserts, this
-raises a ValueError naming the mismatch.
+says so. It takes every argument the serving stacks pass, with FlashMLA's meaning: ``out=``
+(vLLM's vendored interface), a buffer written in place; ``block_table`` and ``cache_seqlens``,
+which the sparse decode ignores when ``indices`` is given (vLLM's sparse backend passes dummy
+ones), though something that is neither a tensor nor None is still refused by name.
+
+As in FlashMLA, the metadata object is filled by its first call (here with a :class:`mla.Plan`)
+and later calls only check that they match it; where FlashMLA asserts, this raises a ValueError
+naming the mismatch. A plan depends on shapes, strides, dtypes, devices and the page stride,
+never on an address, so one metadata object shared by the layers of a step, whose caches are
+views of one pool at different offsets, keeps one plan, and that plan's split workspace serves
+every call: the calls of one metadata object must run in order on one stream, as the layers of a
+step do (make one per stream otherwise). Under ``torch.compile`` the call is the custom op
+``torch.ops.mla.sparse_decode`` (it plans for itself; the metadata object is only checked for its
+type), so a compiled step traces through it without a graph break.
 """
 from __future__ import annotations
 
@@ -52,16 +63,12 @@ def get_mla_metadata(*args, **kwargs) -> tuple[FlashMLASchedMeta, None]:
     return FlashMLASchedMeta(), None
 
 
-def _refuse_unsupported(q, k_cache, head_dim_v, num_splits, causal, is_fp8_kvcache, indices, block_table,
-                        cache_seqlens):
+def _refuse_unsupported(q, k_cache, head_dim_v, num_splits, causal, is_fp8_kvcache, indices):
     if num_splits is not None:
         fail("num_splits", "must be None (FlashMLA's interface keeps it as a placeholder)")
     if indices is None:
         fail("indices", "mla.flash_mla covers FlashMLA's sparse decode only: pass indices (the dense decode with "
                         "block_table and cache_seqlens is not supported)")
-    if block_table is not None or cache_seqlens is not None:
-        fail("block_table" if block_table is not None else "cache_seqlens",
-             "the sparse decode takes token indices, not a block table and sequence lengths: pass None")
     if causal:
         fail("causal", "must be False for the sparse decode (as in FlashMLA)")
     if not is_fp8_kvcache:
@@ -89,23 +96,38 @@ _FIELD_ARGS = {"b": "q", "s_q": "q", "h_q": "q", "page_block_size": "k_cache", "
                "extra_page_block_size": "extra_k_cache", "extra_topk": "extra_indices_in_kvcache"}
 
 
+def _check_ignored(t, arg):
+    """``block_table`` and ``cache_seqlens`` are ignored with ``indices`` (as in FlashMLA), but
+    must still be what FlashMLA's signature says: a tensor or None."""
+    if t is not None and not isinstance(t, torch.Tensor):
+        fail(arg, f"expected a torch.Tensor or None (the sparse decode ignores it), got {type(t).__name__}")
+
+
 def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
                            num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None,
                            attn_sink=None, extra_k_cache=None, extra_indices_in_kvcache=None, topk_length=None,
-                           extra_topk_length=None):
+                           extra_topk_length=None, out=None):
     """FlashMLA's ``flash_mla_with_kvcache`` for the sparse FP8 MODEL1 path: its names, order,
-    defaults and semantics. Returns ``(out [b, s_q, h_q, 512] bf16, lse [b, h_q, s_q] fp32)``.
+    defaults and semantics, with vLLM's ``out`` after them. Returns ``(out [b, s_q, h_q, 512]
+    bf16, lse [b, h_q, s_q] fp32)``; ``out``, when given, is that buffer, written in place (a
+    contiguous bf16 tensor of q's device and of that shape: anything else is a ValueError naming
+    ``out``). ``block_table`` and ``cache_seqlens`` are ignored (``indices`` picks the tokens).
     ``softmax_scale`` defaults to ``q.shape[-1] ** -0.5``."""
     meta = tile_scheduler_metadata
     if not isinstance(meta, FlashMLASchedMeta):
         fail("tile_scheduler_metadata", "must be the FlashMLASchedMeta from mla.flash_mla.get_mla_metadata(), got "
                                         f"{type(meta).__name__}")
-    if num_splits is not None or indices is None or block_table is not None or cache_seqlens is not None or causal \
-            or not is_fp8_kvcache or head_dim_v != D_V:
-        _refuse_unsupported(q, k_cache, head_dim_v, num_splits, causal, is_fp8_kvcache, indices, block_table,
-                            cache_seqlens)
+    if num_splits is not None or indices is None or causal or not is_fp8_kvcache or head_dim_v != D_V:
+        _refuse_unsupported(q, k_cache, head_dim_v, num_splits, causal, is_fp8_kvcache, indices)
+    if block_table is not None or cache_seqlens is not None:
+        _check_ignored(block_table, "block_table")
+        _check_ignored(cache_seqlens, "cache_seqlens")
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
+    if torch.compiler.is_compiling():
+        return api.sparse_decode(q, k_cache, indices, softmax_scale=softmax_scale, attn_sink=attn_sink,
+                                 topk_length=topk_length, extra_k_cache=extra_k_cache,
+                                 extra_indices=extra_indices_in_kvcache, extra_topk_length=extra_topk_length, out=out)
     args = (q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices_in_kvcache,
             extra_topk_length)
     plan = meta.plan
@@ -114,8 +136,7 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     except (AttributeError, TypeError, IndexError):
         sig = None
     if plan is None or sig != plan.signature:
-        _refuse_unsupported(q, k_cache, head_dim_v, num_splits, causal, is_fp8_kvcache, indices, block_table,
-                            cache_seqlens)
+        _refuse_unsupported(q, k_cache, head_dim_v, num_splits, causal, is_fp8_kvcache, indices)
         got = _config(q, k_cache, causal, is_fp8_kvcache, indices, extra_k_cache, extra_indices_in_kvcache) \
             if sig is not None else None
         if meta.have_initialized and got is not None and got != meta.config:
@@ -125,13 +146,14 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
                     fail(_FIELD_ARGS[f.name], f"inconsistent with tile_scheduler_metadata: {f.name} was {want!r} at "
                                               f"its first call, this call has {have!r} (use one metadata object per "
                                               "shape, as with FlashMLA)")
-        # the first call, or another pool of the same page size: plan (which checks every argument)
+        # the first call, or other caches of the same page size (another number of pages, say): plan
+        # (which checks every argument)
         plan = api.plan(q, k_cache, indices, softmax_scale=softmax_scale, attn_sink=attn_sink,
                         topk_length=topk_length, extra_k_cache=extra_k_cache, extra_indices=extra_indices_in_kvcache,
                         extra_topk_length=extra_topk_length)
         meta.config, meta.plan, meta.have_initialized = got, plan, True
         sig = plan.signature
-    return api.planned_call(plan, sig, *args, None, None)
+    return api.planned_call(plan, sig, *args, out, None)
 
 
 __all__ = ["FlashMLASchedMeta", "get_mla_metadata", "flash_mla_with_kvcache"]

@@ -45,6 +45,17 @@ def fail(arg: str, msg: str):
     raise ValueError(f"{arg}: {msg}")
 
 
+#: the check's words for a cache view that reaches past its storage (:func:`check_cache`, and a
+#: planned call's own check, :func:`mla.api.planned_call`)
+PAST_STORAGE = "the tensor's pages reach past the end of its storage"
+
+
+def span_bytes(k_cache) -> int:
+    """Bytes a cache tensor spans, from its first page to the end of its last token's scale row
+    (its page stride, ``stride(0)``, honoured): what a view of a pool must find in its storage."""
+    return (k_cache.shape[0] - 1) * k_cache.stride(0) + k_cache.shape[1] * TOKEN_BYTES
+
+
 def check_cache(k_cache, arg: str = "k_cache") -> None:
     """Raise ValueError naming ``arg`` unless ``k_cache`` is a MODEL1 cache tensor."""
     if not isinstance(k_cache, torch.Tensor):
@@ -60,9 +71,8 @@ def check_cache(k_cache, arg: str = "k_cache") -> None:
         fail(arg, f"the last dim must be contiguous (stride 1), got stride {k_cache.stride(3)}")
     if nb > 1 and k_cache.stride(0) < p * TOKEN_BYTES:
         fail(arg, f"page stride too small: stride(0) = {k_cache.stride(0)} bytes < P*{TOKEN_BYTES} = {p * TOKEN_BYTES}")
-    n = (nb - 1) * k_cache.stride(0) + p * TOKEN_BYTES
-    if k_cache.storage_offset() + n > k_cache.untyped_storage().nbytes():
-        fail(arg, "the tensor's pages reach past the end of its storage")
+    if k_cache.storage_offset() + span_bytes(k_cache) > k_cache.untyped_storage().nbytes():
+        fail(arg, PAST_STORAGE)
 
 
 def page_stride(page_size: int) -> int:
@@ -170,9 +180,7 @@ def quantize_kv(kv: torch.Tensor) -> torch.Tensor:
 def cache_bytes(k_cache: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of every byte a cache tensor spans (from its first page to the end
     of its last token's scale row), honouring ``stride(0)``."""
-    nb, p = k_cache.shape[0], k_cache.shape[1]
-    n = (nb - 1) * k_cache.stride(0) + p * TOKEN_BYTES
-    return torch.as_strided(k_cache.view(torch.uint8), (n,), (1,))
+    return torch.as_strided(k_cache.view(torch.uint8), (span_bytes(k_cache),), (1,))
 
 
 def token_bytes(k_cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

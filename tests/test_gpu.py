@@ -11,6 +11,9 @@ from mla.bench import spec_shapes
 from mla.configs import GLUON_FORMS, GluonConfig
 from mla.validate import make_case, run_case
 
+from test_callsites import (Recorder, check_calls, sglang_metadata, sglang_step, sglang_step_inputs, vllm_metadata,
+                            vllm_step, vllm_step_inputs)
+
 pytestmark = pytest.mark.gpu
 
 SHAPES = {
@@ -174,6 +177,58 @@ def test_flashmlas_call_on_mla_equals_sparse_decode(name):
         case.get("extra_topk_length"))
     want = mla.sparse_decode(**case)
     assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+
+
+SERVERS = {
+    # SGLang at TP 8: 8 heads, its SWA window of 128 and C4 top-k of 512, two SWA-only and two C4 layers
+    "sglang": (sglang_step_inputs, sglang_metadata, sglang_step,
+               dict(seq_lens=(5, 130, 900, 4000), heads=8, window=128, c4_topk=512, ratios=(0, 4, 4, 0), swa_pages=16,
+                    c4_pages=16)),
+    # vLLM at TP 8: 8 heads padded to 64, the same window and top-k, every cache a view of one allocation
+    "vllm": (vllm_step_inputs, vllm_metadata, vllm_step,
+             dict(seq_lens=(5, 130, 900, 4000), heads=8, padded_heads=64, window=128, topk=512, ratios=(4, 1, 4, 1),
+                  swa_blocks=8, c4_blocks=16)),
+}
+
+
+def copy_indices(step: dict, fresh: dict) -> None:
+    """The next step's indices and lengths (every int32 tensor of a step and of its layers) into
+    this step's tensors, in place, as a server refreshes its captured ones before a replay."""
+    for dst, src in ((step, fresh), *zip(step["layers"], fresh["layers"])):
+        for key, t in dst.items():
+            if isinstance(t, torch.Tensor) and t.dtype == torch.int32:
+                t.copy_(src[key])
+
+
+@pytest.mark.parametrize("server", list(SERVERS))
+def test_a_servers_decode_step_on_mla_flash_mla_is_captured_in_a_cuda_graph_and_replayed(server, plans_made):
+    """A decode step as SGLang and vLLM run it (tests/test_callsites.py makes their calls), in a
+    CUDA graph: a warm-up step outside the capture (it compiles the kernels), then the metadata
+    objects made afresh before the capture (SGLang remakes them after its warm-up, vLLM builds
+    them for the capture) and shared by the layers, whose first calls plan inside the capture;
+    vLLM's out= buffers. The next step's indices and lengths are copied into the captured index
+    tensors, the graph replayed, and every call's outputs checked against the reference on the
+    new indices; one plan per metadata object."""
+    make_inputs, make_metadata, run_step, sizes = SERVERS[server]
+    step = make_inputs("cuda", seed=0, **sizes)
+    recorder = Recorder()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run_step(recorder, step, make_metadata(recorder))
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    recorder.calls.clear()
+    del plans_made[:]
+    metadata = make_metadata(recorder)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_step(recorder, step, metadata)
+    assert len(recorder.calls) == len(step["layers"]) and len(plans_made) == len(metadata) == 2
+    copy_indices(step, make_inputs("cuda", seed=1, **sizes))
+    graph.replay()
+    torch.cuda.synchronize()
+    check_calls(recorder)
 
 
 BENCH_SHAPES = {f"{s.name} b{s.b}": s for s in spec_shapes()}

@@ -12,9 +12,9 @@ from triton.compiler import CompiledKernel
 import mla
 import mla.flash_mla as flash_mla
 from mla import api, bench, dispatch, layout
-from mla.validate import make_case, run_case
+from mla.validate import check_against_reference, make_case, run_case
 
-from conftest import DEVICE as DEV
+from conftest import DEVICE as DEV, pool_views
 
 
 @pytest.fixture
@@ -110,6 +110,43 @@ def test_a_plan_owns_its_split_workspace_and_a_cached_plan_none(case):
             mla.sparse_decode(**case)
         mla.sparse_decode(**case, plan=plan)
     assert len(made) == 2 and made[0][2].data_ptr() != plan.workspace[2].data_ptr()
+
+
+def _views_case(n_views, seed, b=2, h_q=8, topk=24, page=16, blocks=2):
+    """q, indices (some -1) and a sink, and ``n_views`` caches ``[blocks, page, 1, 584]``, views of
+    one pool at different offsets, each with its own latents."""
+    g = torch.Generator().manual_seed(seed)
+    views = [v.unsqueeze(-2) for v in pool_views([blocks] * n_views, page, DEV, g)]
+    idx = torch.randint(-1, blocks * page, (b, 1, topk), generator=g, dtype=torch.int32)
+    return views, dict(q=torch.randn(b, 1, h_q, 512, generator=g).bfloat16().to(DEV), indices=idx.to(DEV),
+                       attn_sink=torch.randn(h_q, generator=g).to(DEV))
+
+
+def _assert_matches_reference(out, lse, **call):
+    out_ok, lse_ok = check_against_reference(out, lse, *mla.sparse_decode_reference(**call, out_dtype=torch.float64))
+    assert out_ok.ok and lse_ok.ok, (str(out_ok), str(lse_ok))
+
+
+def test_one_plan_serves_views_of_a_pool_at_any_offset_and_checks_each_fits_its_storage():
+    """A plan holds no address: one made for a pool's first view serves a view at another offset
+    (of the same shape and strides), reading that view. What the offset decided before, that a
+    view fits its storage, each call checks: a storage shrunk after the plan was made is a
+    ValueError naming the cache, not a read past its end."""
+    (first, other), kw = _views_case(2, seed=3)
+    plan = mla.plan(kw["q"], first, kw["indices"], attn_sink=kw["attn_sink"])
+    assert plan.fits(kw["q"], other, kw["indices"], attn_sink=kw["attn_sink"])
+    out, lse = mla.sparse_decode(kw["q"], other, kw["indices"], attn_sink=kw["attn_sink"], plan=plan)
+    _assert_matches_reference(out, lse, k_cache=other, **kw)
+    assert not torch.equal(out, mla.sparse_decode(kw["q"], first, kw["indices"], attn_sink=kw["attn_sink"])[0])
+    other.untyped_storage().resize_(other.storage_offset() + layout.span_bytes(other) - 1)
+    with pytest.raises(ValueError, match="^k_cache: the tensor's pages reach past the end of its storage"):
+        mla.sparse_decode(kw["q"], other, kw["indices"], attn_sink=kw["attn_sink"], plan=plan)
+    (main,), kw = _views_case(1, seed=4)
+    (extra,), _ = _views_case(1, seed=5)                 # a pool of its own
+    plan = mla.plan(kw["q"], main, kw["indices"], extra_k_cache=extra, extra_indices=kw["indices"])
+    extra.untyped_storage().resize_(0)
+    with pytest.raises(ValueError, match="^extra_k_cache: the tensor's pages reach past"):
+        mla.sparse_decode(kw["q"], main, kw["indices"], extra_k_cache=extra, extra_indices=kw["indices"], plan=plan)
 
 
 def test_plans_for_every_impl(case):
@@ -267,27 +304,80 @@ def test_a_compiled_step_writes_and_decodes_without_a_graph_break():
 # --- FlashMLA's own call ---------------------------------------------------------------------
 
 
-def test_code_written_for_flashmla_runs_unchanged(case):
-    """The call as FlashMLA's decode test makes it (lib.run_flash_mla_decode): all sixteen
-    arguments positional, the metadata from get_mla_metadata(), filled by the first call."""
+def test_one_metadata_object_serves_60_layers_whose_caches_are_views_of_one_pool(plans_made, monkeypatch):
+    """Issue #53: vLLM's ~60 V4 layers of a type share one metadata object a step, and every
+    layer's cache is a view of one allocation at its own offset. Through mla.flash_mla that is one
+    plan (its signature holds no address) and one split workspace, the plan's, reused by every
+    call; each layer reads its own view (every call through the kernel; a few layers' outputs
+    against the reference)."""
+    views, kw = _views_case(60, seed=6)
+    workspaces = []
+    real = dispatch.workspace
+    monkeypatch.setattr(dispatch, "workspace", lambda *a: workspaces.append(real(*a)) or workspaces[-1])
     meta, _ = flash_mla.get_mla_metadata()
-    assert not meta.have_initialized
-    sm_scale = 512 ** -0.5
-    positional = (case["q"], case["k_cache"], None, None, 512, meta, None, sm_scale, False, True, case["indices"],
-                  case["attn_sink"], case["extra_k_cache"], case["extra_indices"], case["topk_length"],
-                  case["extra_topk_length"])
-    out, lse = flash_mla.flash_mla_with_kvcache(*positional)
-    assert meta.have_initialized and meta.config.h_q == 5 and meta.config.extra_topk == 24
-    want = mla.sparse_decode(**case, softmax_scale=sm_scale)
-    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
-    again = flash_mla.flash_mla_with_kvcache(*positional)          # later calls only check
-    assert torch.equal(again[0], out)
-    kw = flash_mla.flash_mla_with_kvcache(case["q"], case["k_cache"], None, None, 512, meta, is_fp8_kvcache=True,
-                                          indices=case["indices"], attn_sink=case["attn_sink"],
-                                          extra_k_cache=case["extra_k_cache"],
-                                          extra_indices_in_kvcache=case["extra_indices"],
-                                          topk_length=case["topk_length"], extra_topk_length=case["extra_topk_length"])
-    assert torch.equal(kw[0], out)
+    outs = [flash_mla.flash_mla_with_kvcache(kw["q"], view, None, None, 512, meta, is_fp8_kvcache=True,
+                                             indices=kw["indices"], attn_sink=kw["attn_sink"]) for view in views]
+    assert len(plans_made) == 1 and meta.plan is plans_made[0] and len(workspaces) == 1
+    assert meta.plan.workspace[2] is workspaces[0][2]
+    for layer in (0, 29, 59):
+        _assert_matches_reference(*outs[layer], k_cache=views[layer], **kw)
+    assert not torch.equal(outs[0][0], outs[59][0])
+
+
+def _flashmla_arguments(case) -> dict:
+    """A make_case case as FlashMLA's keyword arguments (but the metadata and the ignored ones)."""
+    return dict(q=case["q"], k_cache=case["k_cache"], head_dim_v=512, is_fp8_kvcache=True, indices=case["indices"],
+                attn_sink=case["attn_sink"], topk_length=case["topk_length"], extra_k_cache=case["extra_k_cache"],
+                extra_indices_in_kvcache=case["extra_indices"], extra_topk_length=case["extra_topk_length"])
+
+
+def test_flashmla_writes_out_in_place_and_checks_it_by_name(case):
+    """vLLM's out=: the buffer, written in place and returned, holds what a call without it
+    returns; one of the wrong dtype, shape or layout, or no tensor, is a ValueError naming out."""
+    call = dict(_flashmla_arguments(case), block_table=None, cache_seqlens=None)
+    meta, _ = flash_mla.get_mla_metadata()
+    want = flash_mla.flash_mla_with_kvcache(**call, tile_scheduler_metadata=meta)
+    out = torch.full_like(want[0], float("nan"))
+    got = flash_mla.flash_mla_with_kvcache(**call, tile_scheduler_metadata=meta, out=out)
+    assert got[0] is out and torch.equal(out, want[0]) and torch.equal(got[1], want[1])
+    for bad in (out.float(), out[:, :1], out.transpose(0, 1).contiguous().transpose(0, 1), "out"):
+        with pytest.raises(ValueError, match="^out:"):
+            flash_mla.flash_mla_with_kvcache(**call, tile_scheduler_metadata=meta, out=bad)
+
+
+def test_flashmla_ignores_a_block_table_and_sequence_lengths_beside_indices(case):
+    """vLLM's sparse backend passes a dummy block table (``torch.empty``) and cache lengths with
+    its indices; FlashMLA's sparse decode ignores them, and so does mla.flash_mla."""
+    call = _flashmla_arguments(case)
+    want = flash_mla.flash_mla_with_kvcache(**call, block_table=None, cache_seqlens=None,
+                                            tile_scheduler_metadata=flash_mla.get_mla_metadata()[0])
+    got = flash_mla.flash_mla_with_kvcache(**call, block_table=torch.empty(8, 1, dtype=torch.int32, device=DEV)[:2],
+                                           cache_seqlens=torch.full((8,), 4096, dtype=torch.int32, device=DEV)[:2],
+                                           tile_scheduler_metadata=flash_mla.get_mla_metadata()[0])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("with_out", [False, True])
+def test_a_compiled_function_calling_flash_mla_traces_without_a_graph_break(with_out):
+    """torch.compile(fullgraph=True) of a function that calls mla.flash_mla.flash_mla_with_kvcache
+    (the metadata object made outside it, as a server makes it per step), with and without out=:
+    it traces (the call is the custom op there) and returns, and writes, what the eager call does."""
+    case = make_case(b=2, s_q=1, h_q=4, topk=16, page=16, lengths=True, seed=8, device=DEV)
+    meta, _ = flash_mla.get_mla_metadata()
+    out = torch.full_like(case["q"], float("nan"))
+    given = {"out": out} if with_out else {}
+
+    def attend(q, k_cache, indices, sink, lengths):
+        return flash_mla.flash_mla_with_kvcache(q, k_cache, None, None, 512, meta, softmax_scale=0.05,
+                                                is_fp8_kvcache=True, indices=indices, attn_sink=sink,
+                                                topk_length=lengths, **given)
+    torch._dynamo.reset()
+    got = torch.compile(attend, fullgraph=True, backend="aot_eager")(
+        case["q"], case["k_cache"], case["indices"], case["attn_sink"], case["topk_length"])
+    want = mla.sparse_decode(**case, softmax_scale=0.05)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    if with_out:
+        assert torch.equal(out, want[0])
 
 
 def test_flashmla_metadata_mismatches_are_value_errors(case):
@@ -309,7 +399,8 @@ def test_flashmla_metadata_mismatches_are_value_errors(case):
     (dict(causal=True), "causal"),
     (dict(num_splits=4), "num_splits"),
     (dict(head_dim_v=448), "head_dim_v"),
-    (dict(block_table=torch.zeros(2, 4, dtype=torch.int32)), "block_table"),
+    (dict(block_table=[[0, 1], [2, 3]]), "block_table"),         # ignored with indices, but not a tensor
+    (dict(cache_seqlens=64), "cache_seqlens"),
     (dict(q=torch.zeros(2, 2, 5, 576, dtype=torch.bfloat16)), "q"),
     (dict(k_cache=torch.zeros(4, 16, 1, 656, dtype=torch.float8_e4m3fn)), "k_cache"),
 ])
