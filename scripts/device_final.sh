@@ -7,7 +7,8 @@
 # FLASHMLA_FLAGS.
 #   MLA_COMMIT=<sha> bash scripts/device_final.sh [PART...]
 # PART: flashmla (build FLASHMLA_SRC, default .flashmla, a FlashMLA checkout with the nvidia-cutlass
-# wheel in it, into /tmp/fm, and time it beside mla in the later parts), tests, gpu (the GPU tests
+# wheel in it, into /tmp/fm, with FLASHMLA_BUILD, default scripts/build_flashmla.sh, and time it
+# beside mla in the later parts; once built it is reused while the machine stays warm), tests, gpu (the GPU tests
 # alone), validation, bench, sweep, serving, host, profile (Nsight Compute on PROFILE_IMPLS at
 # PROFILE_SHAPES, default the portable kernel's sm_90 and sm_80 code at DSA b 128 and b 8), or a
 # notebook path (notebooks/0*.ipynb globs work).
@@ -33,8 +34,10 @@ nbsetup() {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   for part in "$@"; do
     case "$part" in
-      flashmla) rm -rf /tmp/fm && cp -r "${FLASHMLA_SRC:-.flashmla}" /tmp/fm \
-        && step "${FLASHMLA_S:-150}" bash scripts/build_flashmla.sh /tmp/fm $(ls /tmp/fm/nvidia_cutlass-*.whl 2>/dev/null) \
+      flashmla) if ls /tmp/fm/flash_mla/cuda*.so >/dev/null 2>&1; then echo "=== flashmla: built earlier on this machine"; \
+          export PYTHONPATH="/tmp/fm:$PYTHONPATH"; continue; fi
+        rm -rf /tmp/fm && cp -r "${FLASHMLA_SRC:-.flashmla}" /tmp/fm \
+        && step "${FLASHMLA_S:-150}" bash "${FLASHMLA_BUILD:-scripts/build_flashmla.sh}" /tmp/fm $(ls /tmp/fm/nvidia_cutlass-*.whl 2>/dev/null) \
         && export PYTHONPATH="/tmp/fm:$PYTHONPATH" ;;
       tests) nbsetup      # the chapter tests import nbformat
         step "${TESTS_S:-300}" python3 -m pytest -q -m "not slow" -p no:cacheprovider -rfE ;;
