@@ -334,7 +334,8 @@ def provenance(ceil: dict) -> dict:
                              capture_output=True, text=True, timeout=30).stdout.strip()
     except Exception:  # noqa: BLE001
         drv = "unknown"
-    return {"gpu": props.name, "sm_count": props.multi_processor_count, "driver": drv,
+    return {"gpu": props.name, "sm_count": props.multi_processor_count, "l2_mb": round(props.L2_cache_size / 2**20, 1),
+            "driver": drv,
             "torch": torch.__version__, "triton": triton.__version__, "commit": code_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
             "ceilings": ceil, "mma_configs": _config_source(),
