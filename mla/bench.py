@@ -1027,9 +1027,11 @@ def main(argv=None) -> int:
                     help="only count the kernels a sweep of b = 1..256 compiles at each shape: predicted from the launch "
                          "rule (as on an H200), and measured on this GPU when there is one")
     ap.add_argument("--sweep", action="store_true",
-                    help="time mma, tl_dot and FlashMLA over the sweep's grid into <out>/<gpu-slug>/sweep.json, "
+                    help="time the sweep's impls (--impl to choose) over its grid into <out>/<gpu-slug>/sweep.json, "
                          "in parts: points already there are skipped and none starts after --budget-s; run it "
                          "again until it reports 0 remaining")
+    ap.add_argument("--h-q", action="append", type=int, dest="h_q",
+                    help="with --sweep: only the points of these head counts (repeatable)")
     ap.add_argument("--budget-s", type=float, default=540.0, help="the sweep's seconds per part (default 540)")
     ap.add_argument("--host", action="store_true",
                     help="only measure the Python per call before the launches (launches stubbed, the launch "
@@ -1055,7 +1057,8 @@ def main(argv=None) -> int:
         return 0
     if a.sweep:
         try:
-            doc = sweep(impls=tuple(a.impl) if a.impl else SWEEP_IMPLS, out_dir=a.out, budget_s=a.budget_s,
+            shapes = [s for s in sweep_shapes() if s.h_q in a.h_q] if a.h_q else None
+            doc = sweep(shapes, impls=tuple(a.impl) if a.impl else SWEEP_IMPLS, out_dir=a.out, budget_s=a.budget_s,
                         progress=not a.no_progress)
         except RuntimeError as e:
             print(e, file=sys.stderr)
