@@ -17,7 +17,7 @@ import torch
 
 from . import _runtime, dispatch
 from .kernels import writer
-from .layout import D_QK, TOKEN_BYTES, check_cache, fail
+from .layout import D_QK, TOKEN_BYTES, V32, check_cache, fail, layout_for_head_dim
 from .reference import sparse_decode_reference
 
 IMPLS = ("auto", "mma", "simt", "reference")
@@ -376,18 +376,21 @@ def planned_call(plan, sig, q, k_cache, indices, softmax_scale, attn_sink, topk_
 
 
 def write_kv(kv, k_cache, slot_mapping) -> None:
-    """Quantize new latent rows into their slots of a MODEL1 cache, in place.
+    """Quantize new latent rows into their slots of a cache, in place.
 
     Args:
-        kv: ``[N, 512]`` (or ``[N, 1, 512]``) bf16: the new tokens' latents.
-        k_cache: ``[num_blocks, P, 1, 584]`` float8_e4m3fn (or uint8) MODEL1 cache, any page
-            stride (a view into a larger pool works).
+        kv: ``[N, 512]`` (or ``[N, 1, 512]``) bf16: the new tokens' latents; ``[N, 576]`` for a
+            V3.2 cache (the width names the layout, as q's head dim does).
+        k_cache: ``[num_blocks, P, 1, 584]`` float8_e4m3fn (or uint8) MODEL1 cache, or
+            ``[num_blocks, P, 1, 656]`` V3.2 cache, any page stride (a view into a larger pool
+            works).
         slot_mapping: ``[N]`` int32 or int64: row ``i`` goes to token ``block * P + offset =
             slot_mapping[i]``. A slot below 0, or at or past ``num_blocks * P``, is skipped:
             nothing is written for it (no host sync, so it cannot raise).
 
-    Each written token's 576-byte data row and 8-byte scale row are the bytes
-    :func:`mla.quantize_kv` writes for the same values; no other byte of the cache changes. The
+    Each written token's bytes (MODEL1: its 576-byte data row and 8-byte scale row; V3.2: its
+    656 bytes) are those :func:`mla.quantize_kv` writes for the same values; no other byte of
+    the cache changes. The
     values must be finite, as for ``quantize_kv``. Capturable in a CUDA graph. Under
     ``torch.compile`` it is the custom op ``torch.ops.mla.write_kv``.
     """
@@ -400,9 +403,9 @@ def write_kv(kv, k_cache, slot_mapping) -> None:
         fail("kv", f"expected dtype torch.bfloat16, got {kv.dtype}")
     if kv.dim() == 3 and kv.shape[1] == 1:
         kv = kv[:, 0]
-    if kv.dim() != 2 or kv.shape[1] != D_QK:
-        fail("kv", f"expected shape [N, {D_QK}] (or [N, 1, {D_QK}]), got {tuple(kv.shape)}")
-    check_cache(k_cache, "k_cache")
+    if kv.dim() != 2:
+        fail("kv", f"expected shape [N, {D_QK}] (or [N, 1, {D_QK}]; [N, 576] for V3.2), got {tuple(kv.shape)}")
+    layout = check_cache(k_cache, "k_cache", layout_for_head_dim(kv.shape[1], "kv"))
     if not isinstance(slot_mapping, torch.Tensor):
         fail("slot_mapping", f"expected a torch.Tensor, got {type(slot_mapping).__name__}")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
@@ -415,7 +418,7 @@ def write_kv(kv, k_cache, slot_mapping) -> None:
     if kv.stride(1) != 1:
         kv = kv.contiguous()
     writer.write_kv(kv, k_cache.view(torch.uint8), k_cache.stride(0), k_cache.shape[1], k_cache.shape[0],
-                    slot_mapping.contiguous())
+                    slot_mapping.contiguous(), v32=layout is V32)
 
 
 __all__ = ["IMPLS", "MAX_HEADS", "Plan", "TOKEN_BYTES", "check_cache", "check_inputs", "plan", "resolve_impl",

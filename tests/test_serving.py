@@ -133,10 +133,18 @@ def test_the_host_cost_benchmark_prints_both_figures():
 # --- the cache writer -----------------------------------------------------------------------
 
 
-def _latents(n, seed=0):
+def _latents(n, seed=0, width=512):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, 512, generator=g)
+    return (torch.randn(n, width, generator=g)
             * torch.exp2(torch.randint(-6, 6, (n, 1), generator=g).float())).bfloat16().to(DEV)
+
+
+#: the two layouts, by the width of their latents
+WIDTHS = pytest.mark.parametrize("width", [512, 576], ids=["MODEL1", "V3.2"])
+
+
+def _layout(width):
+    return layout.MODEL1 if width == 512 else layout.V32
 
 
 def test_the_launch_rule_predicts_the_kernels_a_batch_sweep_compiled_on_the_h200():
@@ -153,34 +161,39 @@ def test_a_combine_form_is_counted_once_per_process():
     assert bench.predicted_compiles(variants) == {"A": 3 + 2, "B": 2, "C": 1 + 1}
 
 
+@WIDTHS
 @pytest.mark.parametrize("page", [1, 7, 61, 64])
-def test_write_kv_writes_the_bytes_quantize_kv_writes(page):
+def test_write_kv_writes_the_bytes_quantize_kv_writes(page, width):
     nb = 3
-    kv = _latents(nb * page, seed=page)
-    cache = layout.empty_cache(nb, page, device=DEV, fill=0)
+    kv = _latents(nb * page, seed=page, width=width)
+    cache = layout.empty_cache(nb, page, device=DEV, fill=0, layout=_layout(width))
     mla.write_kv(kv, cache, torch.randperm(nb * page).int().sort().values.to(DEV))
-    want = mla.quantize_kv(kv.view(nb, page, 512))
+    want = mla.quantize_kv(kv.view(nb, page, width))
     assert torch.equal(layout.cache_bytes(cache), layout.cache_bytes(want))
 
 
 def _slot_bytes(cache, slots):
-    """Every byte offset (from the cache's first page) of these slots' data and scale rows."""
+    """Every byte offset (from the cache's first page) of these slots' tokens: MODEL1's data and
+    scale rows (576 bytes at i*576, 8 at P*576 + i*8), V3.2's 656 bytes at i*656."""
     p, ps = cache.shape[1], cache.stride(0)
     blk, off = slots // p, slots % p
-    data = (blk * ps + off * layout.DATA_BYTES)[:, None] + torch.arange(layout.DATA_BYTES)
-    scale = (blk * ps + p * layout.DATA_BYTES + off * layout.SCALE_BYTES)[:, None] + torch.arange(layout.SCALE_BYTES)
+    if cache.shape[-1] == 656:
+        return ((blk * ps + off * 656)[:, None] + torch.arange(656)).flatten()
+    data = (blk * ps + off * 576)[:, None] + torch.arange(576)
+    scale = (blk * ps + p * 576 + off * 8)[:, None] + torch.arange(8)
     return torch.cat([data.flatten(), scale.flatten()])
 
 
-def test_write_kv_touches_only_its_slots_in_a_pooled_view_and_skips_invalid_slots():
+@WIDTHS
+def test_write_kv_touches_only_its_slots_in_a_pooled_view_and_skips_invalid_slots(width):
     """A cache that is a view into a larger pool (pages 2..5 of 8, page size 13), a row per slot
     of a shuffled subset, some slots invalid: the valid slots hold quantize_kv's bytes for their
     rows, and every other byte of the pool is what it was."""
-    pool = layout.empty_cache(8, 13, device=DEV, fill=0xAB)
+    pool = layout.empty_cache(8, 13, device=DEV, fill=0xAB, layout=_layout(width))
     cache = pool[2:6]
     n_tokens = 4 * 13
     slots = torch.tensor([5, 0, 51, -1, 17, n_tokens, 2 ** 31 - 1, 33, -(2 ** 31), 12], dtype=torch.int64, device=DEV)
-    kv = _latents(len(slots), seed=1)
+    kv = _latents(len(slots), seed=1, width=width)
     before = layout.cache_bytes(pool).clone().cpu()
     mla.write_kv(kv, cache, slots)
     after = layout.cache_bytes(pool).cpu()
@@ -192,9 +205,9 @@ def test_write_kv_touches_only_its_slots_in_a_pooled_view_and_skips_invalid_slot
     changed[written] = True
     assert torch.equal(after[~changed], before[~changed])
     for row, slot in zip(kv[valid.to(kv.device)], slots[valid].tolist()):
-        want = layout.cache_bytes(mla.quantize_kv(row.view(1, 1, 512))).cpu()
+        want = layout.cache_bytes(mla.quantize_kv(row.view(1, 1, width))).cpu()     # one token: P = 1
         got = after[base + _slot_bytes(cache, torch.tensor([slot]))]
-        assert torch.equal(got, torch.cat([want[:576], want[576:584]])), slot
+        assert torch.equal(got, want), slot
 
 
 def test_write_kv_takes_int32_slots_three_dim_rows_and_nothing():
@@ -212,6 +225,8 @@ def test_write_kv_takes_int32_slots_three_dim_rows_and_nothing():
     (dict(kv=torch.zeros(4, 448, dtype=torch.bfloat16)), "kv"),
     (dict(kv="rows"), "kv"),
     (dict(k_cache=torch.zeros(2, 8, 1, 576, dtype=torch.uint8)), "k_cache"),
+    (dict(k_cache=layout.empty_cache(2, 8, fill=0, layout=layout.V32)), "k_cache"),      # 512-wide rows
+    (dict(kv=torch.zeros(4, 576, dtype=torch.bfloat16)), "k_cache"),                     # a MODEL1 cache
     (dict(slot_mapping=torch.zeros(4, dtype=torch.float32)), "slot_mapping"),
     (dict(slot_mapping=torch.zeros(3, dtype=torch.int32)), "slot_mapping"),
     (dict(slot_mapping=torch.zeros(4, 1, dtype=torch.int32)), "slot_mapping"),

@@ -7,6 +7,13 @@ A token tile is held as ``[BLOCK_N, 8, 64]``: tile ``t < 7`` of the last two dim
 last two dims are exactly the 512 columns of the latent (448 nope then 64 rope), so the same
 tensor serves as K for Q.K^T and as V for P.V.
 
+DeepSeek-V3.2's layout (the helpers' ``V32`` constexpr, :data:`mla.layout.V32`): q and k are
+576 wide, V is the first 512 columns, all nope. The same ``[BLOCK_N, 8, 64]`` tile holds those
+512 columns (chunk ``t`` is half of 128-value tile ``t // 2``, FP8 times that tile's float32
+scale), K and V as before, and the 64 rope columns are a second, ``[BLOCK_N, 64]`` tile
+(:func:`load_rope`) that only Q.K^T reads. A token's bytes lie together (an array of
+structures), so its scales are found from its row, not from a scale row of the page.
+
 The scalar and elementwise helpers here are plain ``@triton.jit`` functions that the Gluon
 kernel (:mod:`mla.kernels.gluon_sm90`) calls too: they take their layouts from their arguments.
 """
@@ -17,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .. import _runtime
-from ..layout import D_QK, DATA_BYTES, N_TILES, NOPE_BYTES, SCALE_BYTES
+from ..layout import D_QK, DATA_BYTES, N_TILES, NOPE_BYTES, SCALE_BYTES, V32 as V32_LAYOUT
 
 #: Whether the kernels run in Triton's interpreter (a constexpr: the compiled kernels do not see it).
 _INTERPRET = tl.constexpr(_runtime.INTERPRET)
@@ -28,6 +35,16 @@ NOPE = tl.constexpr(NOPE_BYTES)      #: 448 bytes: its FP8 nope values; the bf16
 SROW = tl.constexpr(SCALE_BYTES)     #: 8 bytes: a token's scale row
 NOPE_TILES = tl.constexpr(N_TILES)   #: 7 nope tiles of 64; tile 7 of a token tile is the rope
 DIM = tl.constexpr(D_QK)             #: 512: the width of q, k, v and out
+
+#: V3.2's (:data:`mla.layout.V32`): a token is one 656-byte row of FP8 nope, scales and rope
+V32_ROW = tl.constexpr(V32_LAYOUT.row_bytes)          #: 656 bytes from one token to the next
+V32_SCALES = tl.constexpr(V32_LAYOUT.scales_at)       #: 512: its 4 float32 scales follow the nope
+V32_ROPE = tl.constexpr(V32_LAYOUT.rope_at)           #: 528: its 64 bf16 rope values
+V32_TILES = tl.constexpr(V32_LAYOUT.n_tiles)          #: 4 nope tiles ...
+V32_TILE = tl.constexpr(V32_LAYOUT.tile)              #: ... of 128 values, one scale each
+V32_CHUNKS = tl.constexpr(V32_LAYOUT.d_nope // 64)    #: 8 chunks of 64 nope columns: V, and K's first 512
+V32_QK = tl.constexpr(V32_LAYOUT.d_qk)                #: 576: the width of q and k
+ROPE_W = tl.constexpr(V32_LAYOUT.d_rope)              #: 64 rope columns (both layouts)
 
 #: log2(e), for a softmax scale in the exp2 domain (host side: the kernels take the product).
 LOG2E = 1.4426950408889634
@@ -72,10 +89,11 @@ def ue8m0_to_f32(bits):
 
 
 @triton.jit
-def token_rows(idx_row_ptr, offs, n, n_tokens, P, page_stride):
+def token_rows(idx_row_ptr, offs, n, n_tokens, P, page_stride, V32: tl.constexpr = False):
     """Load indices at ``offs`` (positions < n), and return (valid mask, byte offset of each
-    token's data row, byte offset of its scale row). Invalid tokens point at byte 0 and are
-    never read (the loads are masked with ``valid``)."""
+    token's data row, byte offset of its scales: MODEL1's scale row in the page's scale rows,
+    V3.2's inside the token's row). Invalid tokens point at byte 0 and are never read (the loads
+    are masked with ``valid``)."""
     inb = offs < n
     idx = tl.load(idx_row_ptr + offs, mask=inb, other=-1)
     valid = inb & (idx >= 0) & (idx < n_tokens)
@@ -83,7 +101,11 @@ def token_rows(idx_row_ptr, offs, n, n_tokens, P, page_stride):
     blk = idx64 // P
     off = idx64 - blk * P
     page = blk * page_stride
-    return valid, page + off * DATA, page + P * DATA + off * SROW
+    if V32:
+        row = page + off * V32_ROW
+        return valid, row, row + V32_SCALES
+    else:
+        return valid, page + off * DATA, page + P * DATA + off * SROW
 
 
 @triton.jit
