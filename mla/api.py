@@ -17,7 +17,7 @@ import torch
 
 from . import _runtime, dispatch
 from .kernels import writer
-from .layout import D_QK, TOKEN_BYTES, V32, check_cache, fail, layout_for_head_dim
+from .layout import D_QK, D_V, TOKEN_BYTES, V32, check_cache, fail, layout_for_head_dim
 from .reference import sparse_decode_reference
 
 IMPLS = ("auto", "mma", "simt", "reference")
@@ -71,7 +71,9 @@ def _check_vector(t, arg, n, dtype, what, device):
 
 def check_inputs(q, k_cache, indices, softmax_scale=None, attn_sink=None, topk_length=None,
                  extra_k_cache=None, extra_indices=None, extra_topk_length=None, impl="auto"):
-    """Every argument check of the contract; raises ValueError naming the argument."""
+    """Every argument check of the contract; raises ValueError naming the argument. q's head dim
+    names the cache layout (512: MODEL1, 576: V3.2, :func:`mla.layout.layout_for_head_dim`);
+    both caches must be of that layout, as FlashMLA asks."""
     if impl not in IMPLS:
         fail("impl", f"expected one of {IMPLS}, got {impl!r}")
     if not isinstance(q, torch.Tensor):
@@ -79,17 +81,16 @@ def check_inputs(q, k_cache, indices, softmax_scale=None, attn_sink=None, topk_l
     if q.dtype != torch.bfloat16:
         fail("q", f"expected dtype torch.bfloat16, got {q.dtype}")
     if q.dim() != 4:
-        fail("q", f"expected rank 4 [b, s_q, h_q, {D_QK}], got rank {q.dim()}")
+        fail("q", f"expected rank 4 [b, s_q, h_q, {D_QK}] (576 for V3.2), got rank {q.dim()}")
     b, s_q, h_q, d = q.shape
-    if d != D_QK:
-        fail("q", f"expected head dim {D_QK}, got {d}")
+    layout = layout_for_head_dim(d, "q")
     if b < 1 or s_q < 1:
         fail("q", f"expected b >= 1 and s_q >= 1, got shape {tuple(q.shape)}")
     if not 1 <= h_q <= MAX_HEADS:
         fail("q", f"expected 1 <= h_q <= {MAX_HEADS}, got {h_q}")
     _check_layout(q, "q")
     dev = q.device
-    check_cache(k_cache, "k_cache")
+    check_cache(k_cache, "k_cache", layout)
     if k_cache.device != dev:
         fail("k_cache", f"device mismatch: on {k_cache.device}, q is on {dev}")
     _check_indices(indices, "indices", b, s_q, dev)
@@ -109,7 +110,7 @@ def check_inputs(q, k_cache, indices, softmax_scale=None, attn_sink=None, topk_l
     if extra_topk_length is not None and extra_indices is None:
         fail("extra_topk_length", "given without extra_k_cache and extra_indices")
     if extra_k_cache is not None:
-        check_cache(extra_k_cache, "extra_k_cache")
+        check_cache(extra_k_cache, "extra_k_cache", layout)
         if extra_k_cache.device != dev:
             fail("extra_k_cache", f"device mismatch: on {extra_k_cache.device}, q is on {dev}")
         _check_indices(extra_indices, "extra_indices", b, s_q, dev)
@@ -195,7 +196,7 @@ def _output_templates(b: int, s_q: int, h_q: int, device) -> tuple:
     ``torch.empty_like`` of one makes a contiguous tensor of that shape, dtype and device (an
     expanded tensor overlaps, so its strides are not kept), with less argument parsing per call
     than ``torch.empty(*shape, dtype=..., device=...)``."""
-    return (torch.empty((), dtype=torch.bfloat16, device=device).expand(b, s_q, h_q, D_QK),
+    return (torch.empty((), dtype=torch.bfloat16, device=device).expand(b, s_q, h_q, D_V),
             torch.empty((), dtype=torch.float32, device=device).expand(b, h_q, s_q))
 
 
@@ -204,6 +205,8 @@ def _make_plan(sig, q, k_cache, indices, softmax_scale, attn_sink, topk_length, 
     check_inputs(q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
                  extra_topk_length, impl)
     impl = resolve_impl(impl, q.device)
+    if q.shape[-1] == V32.d_qk and impl != "reference":
+        fail("impl", "the V3.2 layout runs on impl='reference' only, for now")
     b, s_q, h_q, _ = q.shape
     outputs = _output_templates(b, s_q, h_q, q.device)
     if impl != "mma":
@@ -350,11 +353,12 @@ def planned_call(plan, sig, q, k_cache, indices, softmax_scale, attn_sink, topk_
     buffers, then the launches."""
     q_shape, _, _, dev = sig[0]
     b, s_q, h_q, _ = q_shape
+    out_shape = plan.outputs[0].shape
     if out is None:
         out = torch.empty_like(plan.outputs[0])
-    elif not (isinstance(out, torch.Tensor) and out.shape == q_shape and out.dtype == torch.bfloat16
+    elif not (isinstance(out, torch.Tensor) and out.shape == out_shape and out.dtype == torch.bfloat16
               and out.device == dev and out.is_contiguous()):
-        _check_output(out, "out", q_shape, torch.bfloat16, dev)
+        _check_output(out, "out", out_shape, torch.bfloat16, dev)
     if lse is None:
         lse = torch.empty_like(plan.outputs[1])
     elif not (isinstance(lse, torch.Tensor) and lse.shape == (b, h_q, s_q) and lse.dtype == torch.float32
