@@ -205,9 +205,7 @@ def _make_plan(sig, q, k_cache, indices, softmax_scale, attn_sink, topk_length, 
     check_inputs(q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
                  extra_topk_length, impl)
     impl = resolve_impl(impl, q.device)
-    if q.shape[-1] == V32.d_qk and impl != "reference":
-        fail("impl", "the V3.2 layout runs on impl='reference' only, for now")
-    b, s_q, h_q, _ = q.shape
+    b, s_q, h_q, d_qk = q.shape
     outputs = _output_templates(b, s_q, h_q, q.device)
     if impl != "mma":
         if config is not None or programs is not None:
@@ -220,7 +218,7 @@ def _make_plan(sig, q, k_cache, indices, softmax_scale, attn_sink, topk_length, 
         fail("programs", f"expected an int >= 1, got {programs!r}")
     lengths = topk_length is not None or extra_topk_length is not None
     launch = dispatch.plan_launch(q.device, b, s_q, h_q, indices.shape[-1], extra_topk, align, lengths, config,
-                                  programs)
+                                  programs, layout_for_head_dim(d_qk))
     ws = dispatch.workspace(launch, b, s_q, h_q, q.device) if own_workspace else (None, None, None)
     launcher = dispatch.Launcher(launch, q, k_cache, indices, attn_sink, topk_length, extra_k_cache, extra_indices,
                                  extra_topk_length, softmax_scale)

@@ -334,49 +334,76 @@ def query_rows(q, s_q, q_sb, q_ss, idx_sb, idx_ss, eidx_sb, eidx_ss):
 
 
 @triton.jit
-def load_raw(cache_ptr, row, srow, valid, T0: tl.constexpr, NT: tl.constexpr):
+def load_raw(cache_ptr, row, srow, valid, T0: tl.constexpr, NT: tl.constexpr, V32: tl.constexpr = False):
     """Issue the loads of tiles ``T0 .. T0+NT-1`` of a token tile, without decoding them:
-    FP8 bytes ``[BLOCK_N, NT, 64]``, UE8M0 bytes ``[BLOCK_N, NT]`` and, when tile 7 is among
-    them, the bf16 rope ``[BLOCK_N, 1, 64]``. Split from :func:`dequant` so that a kernel can
-    issue the next tile's loads before it decodes and multiplies the current one."""
+    FP8 bytes ``[BLOCK_N, NT, 64]``, the scales ``[BLOCK_N, NT]`` (MODEL1: UE8M0 bytes; V3.2:
+    the float32 of each chunk's 128-value tile) and, when MODEL1's tile 7 is among them, the bf16
+    rope ``[BLOCK_N, 1, 64]`` (V3.2's rope is :func:`load_rope`'s). Split from :func:`dequant`
+    so that a kernel can issue the next tile's loads before it decodes and multiplies the
+    current one."""
     t = T0 + tl.arange(0, NT)
     j = tl.arange(0, 64)
-    is_nope = t < NOPE_TILES
-    nb = tl.load(cache_ptr + row[:, None, None] + (t * 64)[None, :, None] + j[None, None, :],
-                 mask=valid[:, None, None] & is_nope[None, :, None], other=0)
-    sb = tl.load(cache_ptr + srow[:, None] + t[None, :], mask=valid[:, None] & is_nope[None, :], other=0)
-    if T0 + NT > NOPE_TILES:
-        rope_ptr = (cache_ptr + row + NOPE).to(tl.pointer_type(tl.bfloat16))
-        rope = tl.load(rope_ptr[:, None, None] + j[None, None, :], mask=valid[:, None, None], other=0.0)
-    else:
+    if V32:
+        nb = tl.load(cache_ptr + row[:, None, None] + (t * 64)[None, :, None] + j[None, None, :],
+                     mask=valid[:, None, None], other=0)
+        scale_ptr = (cache_ptr + srow).to(tl.pointer_type(tl.float32))
+        sb = tl.load(scale_ptr[:, None] + (t // (V32_TILE // 64))[None, :], mask=valid[:, None], other=0.0)
         rope = tl.zeros([nb.shape[0], 1, 64], tl.bfloat16)
+    else:
+        is_nope = t < NOPE_TILES
+        nb = tl.load(cache_ptr + row[:, None, None] + (t * 64)[None, :, None] + j[None, None, :],
+                     mask=valid[:, None, None] & is_nope[None, :, None], other=0)
+        sb = tl.load(cache_ptr + srow[:, None] + t[None, :], mask=valid[:, None] & is_nope[None, :], other=0)
+        if T0 + NT > NOPE_TILES:
+            rope_ptr = (cache_ptr + row + NOPE).to(tl.pointer_type(tl.bfloat16))
+            rope = tl.load(rope_ptr[:, None, None] + j[None, None, :], mask=valid[:, None, None], other=0.0)
+        else:
+            rope = tl.zeros([nb.shape[0], 1, 64], tl.bfloat16)
     return nb, sb, rope
 
 
 @triton.jit
-def dequant(nb, sb, rope, T0: tl.constexpr, NT: tl.constexpr, FP8_NATIVE: tl.constexpr, OUT: tl.constexpr):
-    """FP8 bytes times their UE8M0 scale (exact), and the rope where tile 7 is, as ``OUT``."""
+def dequant(nb, sb, rope, T0: tl.constexpr, NT: tl.constexpr, FP8_NATIVE: tl.constexpr, OUT: tl.constexpr,
+            V32: tl.constexpr = False):
+    """FP8 bytes times their scale (exact for the power-of-two scales the layouts hold), and
+    MODEL1's rope where its tile 7 is, as ``OUT``."""
     t = T0 + tl.arange(0, NT)
-    scale = ue8m0_to_f32(sb)
+    if V32:
+        scale = sb
+    else:
+        scale = ue8m0_to_f32(sb)
     if FP8_NATIVE:
         v = nb.to(tl.float8e4nv, bitcast=True).to(OUT) * scale[:, :, None].to(OUT)
     else:
         v = (e4m3_to_f32(nb) * scale[:, :, None]).to(OUT)
-    if T0 + NT > NOPE_TILES:
+    if V32:
+        pass
+    elif T0 + NT > NOPE_TILES:
         v = tl.where((t < NOPE_TILES)[None, :, None], v, rope.to(OUT))
     return v
 
 
 @triton.jit
 def load_token_tile(cache_ptr, row, srow, valid, FP8_NATIVE: tl.constexpr, OUT: tl.constexpr,
-                    T0: tl.constexpr = 0, NT: tl.constexpr = 8):
+                    T0: tl.constexpr = 0, NT: tl.constexpr = 8, V32: tl.constexpr = False):
     """Gather and dequantize tiles ``T0 .. T0+NT-1`` of tokens into ``[BLOCK_N, NT, 64]`` of
-    dtype ``OUT`` (tiles 0..6 are nope, tile 7 is rope; 8 tiles are the full 512 columns).
+    dtype ``OUT`` (MODEL1: tiles 0..6 are nope, tile 7 is rope; V3.2: all 8 are nope, the 512
+    columns of V; 8 tiles are the full 512 columns).
 
     ``cache_ptr`` is the cache as uint8. Masked (invalid) tokens come out as exact zeros,
     whatever their bytes hold (0 * NaN is NaN, so a mask on the probabilities is not enough)."""
-    nb, sb, rope = load_raw(cache_ptr, row, srow, valid, T0, NT)
-    return dequant(nb, sb, rope, T0, NT, FP8_NATIVE, OUT)
+    nb, sb, rope = load_raw(cache_ptr, row, srow, valid, T0, NT, V32)
+    return dequant(nb, sb, rope, T0, NT, FP8_NATIVE, OUT, V32)
+
+
+@triton.jit
+def load_rope(cache_ptr, row, valid, OUT: tl.constexpr, V32: tl.constexpr = False):
+    """The 64 bf16 rope values of each token as ``[BLOCK_N, 64]`` of dtype ``OUT``, zeros where
+    invalid: V3.2's second tile, which only Q.K^T reads (MODEL1's rope is tile 7 of
+    :func:`load_token_tile`, in V as well)."""
+    j = tl.arange(0, ROPE_W)
+    rope_ptr = (cache_ptr + row + (V32_ROPE if V32 else NOPE)).to(tl.pointer_type(tl.bfloat16))
+    return tl.load(rope_ptr[:, None] + j[None, :], mask=valid[:, None], other=0.0).to(OUT)
 
 
 @triton.jit
