@@ -287,18 +287,21 @@ def _check_output(t, arg, shape, dtype, device):
 def sparse_decode(q, k_cache, indices, *, softmax_scale=None, attn_sink=None, topk_length=None,
                   extra_k_cache=None, extra_indices=None, extra_topk_length=None, impl="auto", plan=None,
                   out=None, lse=None):
-    """Sparse MLA decode over the MODEL1 FP8 paged cache (FlashMLA's semantics).
+    """Sparse MLA decode over an FP8 paged cache (FlashMLA's semantics): DeepSeek-V4's MODEL1
+    cache, or DeepSeek-V3.2's (q 576 wide, 656-byte tokens; V is the 512 nope columns).
 
     Args:
-        q: ``[b, s_q, h_q, 512]`` bf16 queries.
-        k_cache: ``[num_blocks, P, 1, 584]`` float8_e4m3fn (or uint8) MODEL1 cache.
+        q: ``[b, s_q, h_q, 512]`` bf16 queries (``[b, s_q, h_q, 576]`` for V3.2: the head dim
+            names the layout).
+        k_cache: ``[num_blocks, P, 1, 584]`` float8_e4m3fn (or uint8) MODEL1 cache
+            (``[num_blocks, P, 1, 656]`` V3.2 cache, :mod:`mla.layout`).
         indices: ``[b, s_q, topk]`` int32 token indices ``block*P + offset``; any index
             outside ``[0, num_blocks*P)`` is invalid and never read.
-        softmax_scale: defaults to ``512**-0.5``.
+        softmax_scale: defaults to ``d_qk**-0.5`` (``512**-0.5``; ``576**-0.5`` for V3.2).
         attn_sink: ``[h_q]`` fp32, one sink logit per head.
         topk_length: ``[b]`` int32; positions ``>= topk_length[b]`` are invalid.
-        extra_k_cache, extra_indices, extra_topk_length: a second cache (its own P) that
-            shares the softmax.
+        extra_k_cache, extra_indices, extra_topk_length: a second cache (its own P, the same
+            layout) that shares the softmax.
         impl: ``"auto"``, ``"mma"`` (the tensor-core kernels: :mod:`mla.dispatch` picks the
             ``tl.dot`` or the Gluon one), ``"simt"`` or ``"reference"``.
         plan: a :class:`Plan` from :func:`mla.plan` for arguments of these shapes (a ValueError

@@ -17,10 +17,16 @@ from mla.validate import make_case, run_case
 from conftest import DEVICE as DEV
 
 
-@pytest.fixture
-def case():
+@pytest.fixture(params=[512, 576], ids=["MODEL1", "V3.2"])
+def case(request):
     return make_case(b=2, s_q=2, h_q=5, topk=40, page=16, extra_topk=24, extra_page=8, lengths=True, seed=5,
-                     device=DEV)
+                     device=DEV, d_qk=request.param)
+
+
+def _other_layout_cache(case):
+    """A cache of the layout that q's head dim does not name."""
+    width = 576 if case["q"].shape[-1] == 512 else 512
+    return layout.quantize_kv(torch.zeros(4, 16, width, dtype=torch.bfloat16, device=DEV))
 
 
 # --- plan once, call cheaply --------------------------------------------------------------------
@@ -44,8 +50,8 @@ def test_a_planned_call_equals_an_unplanned_one_and_fills_out_buffers(case):
     (lambda c: dict(c, indices=c["indices"][..., :30]), "indices"),
     (lambda c: dict(c, attn_sink=None), "attn_sink"),
     (lambda c: dict(c, softmax_scale=0.1), "softmax_scale"),
-    (lambda c: dict(c, k_cache=layout.quantize_kv(torch.zeros(4, 32, 512, dtype=torch.bfloat16, device=DEV))),
-     "k_cache"),
+    (lambda c: dict(c, k_cache=layout.quantize_kv(torch.zeros(4, 32, c["q"].shape[-1], dtype=torch.bfloat16,
+                                                               device=DEV))), "k_cache"),
     (lambda c: dict(c, topk_length=None), "topk_length"),
     (lambda c: dict(c, extra_indices=c["extra_indices"].long()), "extra_indices"),
 ])
@@ -243,27 +249,29 @@ def test_write_kv_refuses_bad_arguments_by_name(kw, arg):
 # --- torch ops and torch.compile -------------------------------------------------------------
 
 
-def test_the_custom_ops_are_registered_and_their_fakes_fit():
-    case = make_case(b=1, s_q=1, h_q=4, topk=8, page=8, seed=1, device=DEV)
+@WIDTHS
+def test_the_custom_ops_are_registered_and_their_fakes_fit(width):
+    case = make_case(b=1, s_q=1, h_q=4, topk=8, page=8, seed=1, device=DEV, d_qk=width)
     torch.library.opcheck(torch.ops.mla.sparse_decode.default,
                           (case["q"], case["k_cache"].view(torch.uint8), case["indices"]),
                           dict(attn_sink=case["attn_sink"]),
                           test_utils=("test_schema", "test_faketensor"))
-    kv = _latents(4, seed=3)
+    kv = _latents(4, seed=3, width=width)
     torch.library.opcheck(torch.ops.mla.write_kv.default,
-                          (kv, layout.empty_cache(2, 8, device=DEV, fill=0).view(torch.uint8),
+                          (kv, layout.empty_cache(2, 8, device=DEV, fill=0, layout=_layout(width)).view(torch.uint8),
                            torch.arange(4, dtype=torch.int32, device=DEV)),
                           test_utils=("test_schema", "test_faketensor"))
 
 
-def test_a_compiled_step_writes_and_decodes_without_a_graph_break():
+@WIDTHS
+def test_a_compiled_step_writes_and_decodes_without_a_graph_break(width):
     """One decode step as a serving loop runs it: write the step's new tokens, then attend. With
     fullgraph=True a graph break is an error; aot_eager runs the traced graph on the CPU."""
     nb, page = 4, 16
-    cache = layout.empty_cache(nb, page, device=DEV, fill=0)
-    kv = _latents(nb * page, seed=4)
+    cache = layout.empty_cache(nb, page, device=DEV, fill=0, layout=_layout(width))
+    kv = _latents(nb * page, seed=4, width=width)
     slots = torch.arange(nb * page, dtype=torch.int64, device=DEV)
-    q = torch.randn(2, 1, 4, 512).bfloat16().to(DEV)
+    q = torch.randn(2, 1, 4, width).bfloat16().to(DEV)
     idx = torch.randint(0, nb * page, (2, 1, 24), dtype=torch.int32).to(DEV)
     sink = torch.randn(4).to(DEV)
 
@@ -273,10 +281,10 @@ def test_a_compiled_step_writes_and_decodes_without_a_graph_break():
 
     torch._dynamo.reset()
     out, lse = torch.compile(step, fullgraph=True, backend="aot_eager")(q, cache, idx, kv, slots, sink)
-    ref = mla.quantize_kv(kv.view(nb, page, 512))
+    ref = mla.quantize_kv(kv.view(nb, page, width))
     assert torch.equal(layout.cache_bytes(cache), layout.cache_bytes(ref))
     want = mla.sparse_decode(q, ref, idx, attn_sink=sink)
-    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    assert out.shape == (2, 1, 4, 512) and torch.equal(out, want[0]) and torch.equal(lse, want[1])
 
 
 # --- FlashMLA's own call ---------------------------------------------------------------------
@@ -284,21 +292,27 @@ def test_a_compiled_step_writes_and_decodes_without_a_graph_break():
 
 def test_code_written_for_flashmla_runs_unchanged(case):
     """The call as FlashMLA's decode test makes it (lib.run_flash_mla_decode): all sixteen
-    arguments positional, the metadata from get_mla_metadata(), filled by the first call."""
+    arguments positional, the metadata from get_mla_metadata(), filled by the first call; on
+    both caches (V3.2's: q 576 wide, the output 512, head_dim_v 512 as FlashMLA asks)."""
     meta, _ = flash_mla.get_mla_metadata()
     assert not meta.have_initialized
-    sm_scale = 512 ** -0.5
+    sm_scale = case["q"].shape[-1] ** -0.55             # FlashMLA's test's scale: d_qk ** -0.55
     positional = (case["q"], case["k_cache"], None, None, 512, meta, None, sm_scale, False, True, case["indices"],
                   case["attn_sink"], case["extra_k_cache"], case["extra_indices"], case["topk_length"],
                   case["extra_topk_length"])
     out, lse = flash_mla.flash_mla_with_kvcache(*positional)
     assert meta.have_initialized and meta.config.h_q == 5 and meta.config.extra_topk == 24
+    assert out.shape == (2, 2, 5, 512) and lse.shape == (2, 5, 2)
     want = mla.sparse_decode(**case, softmax_scale=sm_scale)
     assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    default = flash_mla.flash_mla_with_kvcache(*positional[:5], flash_mla.get_mla_metadata()[0], None, None,
+                                               *positional[8:])
+    # the default scale is q.shape[-1] ** -0.5: 512 ** -0.5, or 576 ** -0.5 for V3.2
+    assert torch.equal(default[1], mla.sparse_decode(**case, softmax_scale=case["q"].shape[-1] ** -0.5)[1])
     again = flash_mla.flash_mla_with_kvcache(*positional)          # later calls only check
     assert torch.equal(again[0], out)
-    kw = flash_mla.flash_mla_with_kvcache(case["q"], case["k_cache"], None, None, 512, meta, is_fp8_kvcache=True,
-                                          indices=case["indices"], attn_sink=case["attn_sink"],
+    kw = flash_mla.flash_mla_with_kvcache(case["q"], case["k_cache"], None, None, 512, meta, softmax_scale=sm_scale,
+                                          is_fp8_kvcache=True, indices=case["indices"], attn_sink=case["attn_sink"],
                                           extra_k_cache=case["extra_k_cache"],
                                           extra_indices_in_kvcache=case["extra_indices"],
                                           topk_length=case["topk_length"], extra_topk_length=case["extra_topk_length"])
@@ -325,13 +339,13 @@ def test_flashmla_metadata_mismatches_are_value_errors(case):
     (dict(num_splits=4), "num_splits"),
     (dict(head_dim_v=448), "head_dim_v"),
     (dict(block_table=torch.zeros(2, 4, dtype=torch.int32)), "block_table"),
-    (dict(q=torch.zeros(2, 2, 5, 576, dtype=torch.bfloat16)), "q"),
-    (dict(k_cache=torch.zeros(4, 16, 1, 656, dtype=torch.float8_e4m3fn)), "k_cache"),
+    (dict(q=torch.zeros(2, 2, 5, 448, dtype=torch.bfloat16)), "q"),           # neither 512 nor 576
+    (_other_layout_cache, "k_cache"),                                          # the layout q does not name
 ])
 def test_flashmla_paths_mla_does_not_cover_are_refused_by_name(case, kw, arg):
     args = dict(q=case["q"], k_cache=case["k_cache"], block_table=None, cache_seqlens=None, head_dim_v=512,
                 tile_scheduler_metadata=flash_mla.get_mla_metadata()[0], is_fp8_kvcache=True, indices=case["indices"])
-    args.update(kw)
+    args.update(dict(k_cache=kw(case)) if callable(kw) else kw)
     with pytest.raises(ValueError, match=f"^{arg}:"):
         flash_mla.flash_mla_with_kvcache(**args)
 
