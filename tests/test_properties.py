@@ -192,5 +192,10 @@ def test_case_sets():
             assert {getattr(c, axis) for c in odd} >= set(values), axis
     bench = mv.benchmark_cases(pool_bytes=1e8)
     assert len(bench) == 12 and all(c.num_blocks * c.page * 584 <= 1.01e8 for c in bench)
+    v32 = mv.v32_cases(pool_bytes=1e8)
+    assert len(v32) == 10 and {c.d_qk for c in v32} == {576} and {c.h_q for c in v32} == {64, 128}
+    assert {(c.topk, c.page) for c in v32} == {(2048, 64)} and {c.s_q for c in v32} == {1, 2}
+    assert min(c.b for c in v32) == 1 and max(c.b for c in v32) == 64
+    assert all(c.num_blocks * 65 * 656 <= 1.01e8 for c in v32)          # pages of (64+1)*656 bytes
     grid = mv.cases({"h_q": [1, 64], "page": [7, 64]}, topk=40)
     assert len(grid) == 4 and {(c.h_q, c.page) for c in grid} == {(1, 7), (1, 64), (64, 7), (64, 64)}

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from ..bench import random_cache, spec_shapes
-from ..layout import cache_layout, layout_for_head_dim, page_stride, quantize_kv
+from ..layout import V32, cache_layout, layout_for_head_dim, page_stride, quantize_kv
 
 INVALID_KINDS = ("-1", "int32 min", "int32 max", "just past the end")
 
@@ -319,6 +319,27 @@ def schedule_cases() -> list[CaseSpec]:
                  strided=True, seed=507),
         CaseSpec("sched b33 s_q2 h16 CSA", b=33, s_q=2, h_q=16, **csa, seed=508),
     ]
+
+
+def v32_cases(pool_bytes: float = 5e8) -> list[CaseSpec]:
+    """DeepSeek-V3.2's cache (q 576 wide, 656-byte tokens) at the shapes of FlashMLA's V3.2
+    cases: 64 and 128 heads, top-k 2048 at page size 64, b 1 to 64, s_q 1 and 2, over a pool of
+    about ``pool_bytes``, 5% of the indices invalid; and what FlashMLA's sm_90 V3.2 kernel does
+    not take but mla does: lengths (0 and the full top-k among them), an extra cache, strided
+    inputs. The Gluon kernel does not read this layout: its forced impls skip these cases."""
+    v32 = dict(topk=2048, page=64, num_blocks=max(2, int(pool_bytes // page_stride(64, V32))),
+               invalid_frac=0.05, d_qk=V32.d_qk)
+    out = []
+    for h_q in (64, 128):
+        for b, s_q in ((1, 1), (8, 2), (33, 1), (64, 2)):
+            out.append(CaseSpec(f"V3.2 b{b} s_q{s_q} h{h_q}", b=b, s_q=s_q, h_q=h_q, **v32, seed=600 + len(out)))
+    out += [
+        CaseSpec("V3.2 b16 s_q2 h64 lengths, extra cache P2", b=16, s_q=2, h_q=64, **v32, extra_topk=256,
+                 extra_page=2, lengths="edges", seed=620),
+        CaseSpec("V3.2 b5 s_q2 h128 lengths, strided, an empty query", b=5, s_q=2, h_q=128, **v32, lengths=True,
+                 strided=True, empty_query=True, seed=621),
+    ]
+    return out
 
 
 def benchmark_cases(pool_bytes: float = 5e8) -> list[CaseSpec]:
