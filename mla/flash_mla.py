@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from . import api
 from .layout import D_V, fail
 

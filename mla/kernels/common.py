@@ -42,7 +42,6 @@ V32_SCALES = tl.constexpr(V32_LAYOUT.scales_at)       #: 512: its 4 float32 scal
 V32_ROPE = tl.constexpr(V32_LAYOUT.rope_at)           #: 528: its 64 bf16 rope values
 V32_TILES = tl.constexpr(V32_LAYOUT.n_tiles)          #: 4 nope tiles ...
 V32_TILE = tl.constexpr(V32_LAYOUT.tile)              #: ... of 128 values, one scale each
-V32_CHUNKS = tl.constexpr(V32_LAYOUT.d_nope // 64)    #: 8 chunks of 64 nope columns: V, and K's first 512
 V32_QK = tl.constexpr(V32_LAYOUT.d_qk)                #: 576: the width of q and k
 ROPE_W = tl.constexpr(V32_LAYOUT.d_rope)              #: 64 rope columns (both layouts)
 
