@@ -37,34 +37,39 @@ if str(ROOT) not in sys.path:
 
 SHIPPED_LOOP = """    for ti in range(lo, hi):
         cache, valid, row, srow = _tile_rows(ti, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
-                                             ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA)
-        k0 = tl.reshape(load_token_tile(cache, row, srow, valid, FP8_NATIVE, DOT, 0, 4), [BLOCK_N, HALF])
-        k1 = tl.reshape(load_token_tile(cache, row, srow, valid, FP8_NATIVE, DOT, 4, 4), [BLOCK_N, HALF])
-        m_i, l_i, acc0, acc1 = _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, valid, sm_scale_log2, DOT,
-                                            DV_HALVES, half)
+                                             ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, V32)
+        k0 = tl.reshape(load_token_tile(cache, row, srow, valid, FP8_NATIVE, DOT, 0, 4, V32), [BLOCK_N, HALF])
+        k1 = tl.reshape(load_token_tile(cache, row, srow, valid, FP8_NATIVE, DOT, 4, 4, V32), [BLOCK_N, HALF])
+        if V32:
+            kr = load_rope(cache, row, valid, DOT, V32)
+        else:
+            kr = None
+        m_i, l_i, acc0, acc1 = _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, qr, kr, valid, sm_scale_log2,
+                                            DOT, DV_HALVES, half, V32)
 """
 
+# The prefetch forms are MODEL1's (V32 False: no rope tile, kr None), as the probe compiled them.
 PREFETCH_IDX = """    cache, valid, row, srow = _tile_rows(lo, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
-                                         ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA)
+                                         ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, V32)
     for ti in range(lo, hi):
         nb0, sb0, r0 = load_raw(cache, row, srow, valid, 0, 4)
         nb1, sb1, r1 = load_raw(cache, row, srow, valid, 4, 4)
         v = valid
         cache, valid, row, srow = _tile_rows(ti + 1, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
-                                             ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA)
+                                             ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, V32)
         k0 = tl.reshape(dequant(nb0, sb0, r0, 0, 4, FP8_NATIVE, DOT), [BLOCK_N, HALF])
         k1 = tl.reshape(dequant(nb1, sb1, r1, 4, 4, FP8_NATIVE, DOT), [BLOCK_N, HALF])
-        m_i, l_i, acc0, acc1 = _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, v, sm_scale_log2, DOT,
-                                            DV_HALVES, half)
+        m_i, l_i, acc0, acc1 = _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, qr, None, v, sm_scale_log2,
+                                            DOT, DV_HALVES, half, V32)
 """
 
 PREFETCH_RAW = """    cache, valid, row, srow = _tile_rows(lo, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
-                                         ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA)
+                                         ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, V32)
     nb0, sb0, r0 = load_raw(cache, row, srow, valid, 0, 4)
     nb1, sb1, r1 = load_raw(cache, row, srow, valid, 4, 4)
     v = valid
     cache, valid, row, srow = _tile_rows(lo + 1, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
-                                         ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA)
+                                         ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, V32)
     for ti in range(lo, hi):
         k0 = tl.reshape(dequant(nb0, sb0, r0, 0, 4, FP8_NATIVE, DOT), [BLOCK_N, HALF])
         k1 = tl.reshape(dequant(nb1, sb1, r1, 4, 4, FP8_NATIVE, DOT), [BLOCK_N, HALF])
@@ -73,9 +78,9 @@ PREFETCH_RAW = """    cache, valid, row, srow = _tile_rows(lo, tiles1, kc_ptr, k
         nb1, sb1, r1 = load_raw(cache, row, srow, valid, 4, 4)
         v = valid
         cache, valid, row, srow = _tile_rows(ti + 2, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
-                                             ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA)
-        m_i, l_i, acc0, acc1 = _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, vt, sm_scale_log2, DOT,
-                                            DV_HALVES, half)
+                                             ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, V32)
+        m_i, l_i, acc0, acc1 = _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, qr, None, vt, sm_scale_log2,
+                                            DOT, DV_HALVES, half, V32)
 """
 
 FORMS = {"shipped": SHIPPED_LOOP, "prefetch_idx": PREFETCH_IDX, "prefetch_raw": PREFETCH_RAW}

@@ -199,13 +199,15 @@ def _flags(has_extra: bool, lengths: bool = True) -> dict:
 
 
 def tl_dot_variant(arch: int, block_h=64, block_n=64, num_warps=8, num_stages=1, dv_halves=1, has_extra=True,
-                   lengths=True, dot="float16", maxnreg=0, asm: tuple = (), loops=False) -> dict:
+                   lengths=True, dot="float16", maxnreg=0, asm: tuple = (), loops=False, v32: bool = False) -> dict:
     """The ``tl.dot`` kernel's variant for ``arch`` (sink and lengths on); ``maxnreg`` caps the
-    registers ptxas may use."""
+    registers ptxas may use; ``v32`` its form for DeepSeek-V3.2's cache (q 576 wide)."""
+    constexprs = {**_flags(has_extra, lengths), "BLOCK_H": block_h, "BLOCK_N": block_n, "FP8_NATIVE": arch >= 89,
+                  "DOT": dot, "DV_HALVES": dv_halves}
+    if v32:                   # only where set: a MODEL1 variant is spelled as before the V3.2 form
+        constexprs["V32"] = True
     return {"kernel": "tl_dot_decode_kernel", "arch": arch, "num_warps": num_warps, "num_stages": num_stages,
-            "maxnreg": maxnreg, "loops": loops, "asm": list(asm),
-            "constexprs": {**_flags(has_extra, lengths), "BLOCK_H": block_h, "BLOCK_N": block_n,
-                           "FP8_NATIVE": arch >= 89, "DOT": dot, "DV_HALVES": dv_halves}}
+            "maxnreg": maxnreg, "loops": loops, "asm": list(asm), "constexprs": constexprs}
 
 
 def gluon_variant(form: str = "heads as M", has_extra=True, lengths=True, align=16, asm: tuple = (),
@@ -232,16 +234,21 @@ def portable_variant(arch: int, cfg, has_extra=True, lengths=True, align=16, asm
                            "FP8_NATIVE": arch >= 89, "ALIGN": align, "STAGES": cfg.stages}}
 
 
-def config_variant(arch: int, cfg, asm: tuple = (), loops: bool = False, has_extra: bool = True) -> dict:
+def config_variant(arch: int, cfg, asm: tuple = (), loops: bool = False, has_extra: bool = True,
+                   v32: bool = False) -> dict:
     """The decode kernel's variant for ``arch`` under a :class:`~mla.configs.TlDotConfig` or a
-    :class:`~mla.configs.GluonConfig`."""
+    :class:`~mla.configs.GluonConfig` (``v32``: the ``tl.dot`` kernel's V3.2 form)."""
     if cfg.kernel == "gluon":
+        if v32:
+            raise ValueError("v32: the Gluon kernel reads the MODEL1 cache only (mla.dispatch.GLUON_LAYOUTS)")
         return gluon_variant(cfg.form, has_extra=has_extra, asm=asm, loops=loops)
     if cfg.kernel == "gluon_portable":
+        if v32:
+            raise ValueError("v32: the portable Gluon kernel reads the MODEL1 cache only (mla.dispatch.GLUON_LAYOUTS)")
         return portable_variant(arch, cfg, has_extra=has_extra, asm=asm, loops=loops)
     return tl_dot_variant(arch, block_h=cfg.block_h, block_n=cfg.block_n, num_warps=cfg.num_warps,
                           num_stages=cfg.num_stages, dv_halves=cfg.dv_halves, has_extra=has_extra, asm=asm,
-                          loops=loops)
+                          loops=loops, v32=v32)
 
 
 def shipped_tl_dot_configs(arch: int) -> list:
@@ -258,10 +265,12 @@ def shipped_tl_dot_configs(arch: int) -> list:
     return out
 
 
-def shipped_variants(arch: int) -> list[dict]:
+def shipped_variants(arch: int, v32: bool = False) -> list[dict]:
     """Every decode-kernel variant ``mla`` may launch on ``arch``: the ``tl.dot`` configs of
-    :func:`shipped_tl_dot_configs` and, on sm_90, the Gluon kernel's forms."""
-    out = [config_variant(arch, c) for c in shipped_tl_dot_configs(arch)]
-    if arch == 90:
+    :func:`shipped_tl_dot_configs` and, on sm_90, the Gluon kernel's forms; with ``v32``, those
+    it may launch for DeepSeek-V3.2's cache: the same ``tl.dot`` configs in their V3.2 form (the
+    launch rule gives V3.2 the pick of a GPU without Gluon, :func:`mla.dispatch.decide`)."""
+    out = [config_variant(arch, c, v32=v32) for c in shipped_tl_dot_configs(arch)]
+    if arch == 90 and not v32:
         out += [gluon_variant(form) for form in GLUON_FORMS]
     return out

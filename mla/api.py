@@ -24,7 +24,7 @@ import torch
 
 from . import _runtime, dispatch
 from .kernels import writer
-from .layout import D_QK, PAST_STORAGE, TOKEN_BYTES, check_cache, fail, span_bytes
+from .layout import D_QK, D_V, PAST_STORAGE, TOKEN_BYTES, V32, check_cache, fail, layout_for_head_dim, span_bytes
 from .reference import sparse_decode_reference
 
 IMPLS = ("auto", "mma", "simt", "reference")
@@ -78,7 +78,9 @@ def _check_vector(t, arg, n, dtype, what, device):
 
 def check_inputs(q, k_cache, indices, softmax_scale=None, attn_sink=None, topk_length=None,
                  extra_k_cache=None, extra_indices=None, extra_topk_length=None, impl="auto"):
-    """Every argument check of the contract; raises ValueError naming the argument."""
+    """Every argument check of the contract; raises ValueError naming the argument. q's head dim
+    names the cache layout (512: MODEL1, 576: V3.2, :func:`mla.layout.layout_for_head_dim`);
+    both caches must be of that layout, as FlashMLA asks."""
     if impl not in IMPLS:
         fail("impl", f"expected one of {IMPLS}, got {impl!r}")
     if not isinstance(q, torch.Tensor):
@@ -86,17 +88,16 @@ def check_inputs(q, k_cache, indices, softmax_scale=None, attn_sink=None, topk_l
     if q.dtype != torch.bfloat16:
         fail("q", f"expected dtype torch.bfloat16, got {q.dtype}")
     if q.dim() != 4:
-        fail("q", f"expected rank 4 [b, s_q, h_q, {D_QK}], got rank {q.dim()}")
+        fail("q", f"expected rank 4 [b, s_q, h_q, {D_QK}] (576 for V3.2), got rank {q.dim()}")
     b, s_q, h_q, d = q.shape
-    if d != D_QK:
-        fail("q", f"expected head dim {D_QK}, got {d}")
+    layout = layout_for_head_dim(d, "q")
     if b < 1 or s_q < 1:
         fail("q", f"expected b >= 1 and s_q >= 1, got shape {tuple(q.shape)}")
     if not 1 <= h_q <= MAX_HEADS:
         fail("q", f"expected 1 <= h_q <= {MAX_HEADS}, got {h_q}")
     _check_layout(q, "q")
     dev = q.device
-    check_cache(k_cache, "k_cache")
+    check_cache(k_cache, "k_cache", layout)
     if k_cache.device != dev:
         fail("k_cache", f"device mismatch: on {k_cache.device}, q is on {dev}")
     _check_indices(indices, "indices", b, s_q, dev)
@@ -116,7 +117,7 @@ def check_inputs(q, k_cache, indices, softmax_scale=None, attn_sink=None, topk_l
     if extra_topk_length is not None and extra_indices is None:
         fail("extra_topk_length", "given without extra_k_cache and extra_indices")
     if extra_k_cache is not None:
-        check_cache(extra_k_cache, "extra_k_cache")
+        check_cache(extra_k_cache, "extra_k_cache", layout)
         if extra_k_cache.device != dev:
             fail("extra_k_cache", f"device mismatch: on {extra_k_cache.device}, q is on {dev}")
         _check_indices(extra_indices, "extra_indices", b, s_q, dev)
@@ -206,7 +207,7 @@ def _output_templates(b: int, s_q: int, h_q: int, device) -> tuple:
     ``torch.empty_like`` of one makes a contiguous tensor of that shape, dtype and device (an
     expanded tensor overlaps, so its strides are not kept), with less argument parsing per call
     than ``torch.empty(*shape, dtype=..., device=...)``."""
-    return (torch.empty((), dtype=torch.bfloat16, device=device).expand(b, s_q, h_q, D_QK),
+    return (torch.empty((), dtype=torch.bfloat16, device=device).expand(b, s_q, h_q, D_V),
             torch.empty((), dtype=torch.float32, device=device).expand(b, h_q, s_q))
 
 
@@ -215,7 +216,7 @@ def _make_plan(sig, q, k_cache, indices, softmax_scale, attn_sink, topk_length, 
     check_inputs(q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
                  extra_topk_length, impl)
     impl = resolve_impl(impl, q.device)
-    b, s_q, h_q, _ = q.shape
+    b, s_q, h_q, d_qk = q.shape
     outputs = _output_templates(b, s_q, h_q, q.device)
     spans = (span_bytes(k_cache), 0 if extra_k_cache is None else span_bytes(extra_k_cache))
     if impl != "mma":
@@ -229,7 +230,7 @@ def _make_plan(sig, q, k_cache, indices, softmax_scale, attn_sink, topk_length, 
         fail("programs", f"expected an int >= 1, got {programs!r}")
     lengths = topk_length is not None or extra_topk_length is not None
     launch = dispatch.plan_launch(q.device, b, s_q, h_q, indices.shape[-1], extra_topk, align, lengths, config,
-                                  programs, isa)
+                                  programs, isa, layout_for_head_dim(d_qk))
     ws = dispatch.workspace(launch, b, s_q, h_q, q.device) if own_workspace else (None, None, None)
     launcher = dispatch.Launcher(launch, q, k_cache, indices, attn_sink, topk_length, extra_k_cache, extra_indices,
                                  extra_topk_length, softmax_scale)
@@ -300,18 +301,21 @@ def _check_output(t, arg, shape, dtype, device):
 def sparse_decode(q, k_cache, indices, *, softmax_scale=None, attn_sink=None, topk_length=None,
                   extra_k_cache=None, extra_indices=None, extra_topk_length=None, impl="auto", plan=None,
                   out=None, lse=None):
-    """Sparse MLA decode over the MODEL1 FP8 paged cache (FlashMLA's semantics).
+    """Sparse MLA decode over an FP8 paged cache (FlashMLA's semantics): DeepSeek-V4's MODEL1
+    cache, or DeepSeek-V3.2's (q 576 wide, 656-byte tokens; V is the 512 nope columns).
 
     Args:
-        q: ``[b, s_q, h_q, 512]`` bf16 queries.
-        k_cache: ``[num_blocks, P, 1, 584]`` float8_e4m3fn (or uint8) MODEL1 cache.
+        q: ``[b, s_q, h_q, 512]`` bf16 queries (``[b, s_q, h_q, 576]`` for V3.2: the head dim
+            names the layout).
+        k_cache: ``[num_blocks, P, 1, 584]`` float8_e4m3fn (or uint8) MODEL1 cache
+            (``[num_blocks, P, 1, 656]`` V3.2 cache, :mod:`mla.layout`).
         indices: ``[b, s_q, topk]`` int32 token indices ``block*P + offset``; any index
             outside ``[0, num_blocks*P)`` is invalid and never read.
-        softmax_scale: defaults to ``512**-0.5``.
+        softmax_scale: defaults to ``d_qk**-0.5`` (``512**-0.5``; ``576**-0.5`` for V3.2).
         attn_sink: ``[h_q]`` fp32, one sink logit per head.
         topk_length: ``[b]`` int32; positions ``>= topk_length[b]`` are invalid.
-        extra_k_cache, extra_indices, extra_topk_length: a second cache (its own P) that
-            shares the softmax.
+        extra_k_cache, extra_indices, extra_topk_length: a second cache (its own P, the same
+            layout) that shares the softmax.
         impl: ``"auto"``, ``"mma"`` (the tensor-core kernels: :mod:`mla.dispatch` picks the
             ``tl.dot`` or the Gluon one), ``"simt"`` or ``"reference"``.
         plan: a :class:`Plan` from :func:`mla.plan` for arguments of these shapes (a ValueError
@@ -371,11 +375,12 @@ def planned_call(plan, sig, q, k_cache, indices, softmax_scale, attn_sink, topk_
         fail("extra_k_cache", PAST_STORAGE)
     q_shape, _, _, dev = sig[0]
     b, s_q, h_q, _ = q_shape
+    out_shape = plan.outputs[0].shape
     if out is None:
         out = torch.empty_like(plan.outputs[0])
-    elif not (isinstance(out, torch.Tensor) and out.shape == q_shape and out.dtype == torch.bfloat16
+    elif not (isinstance(out, torch.Tensor) and out.shape == out_shape and out.dtype == torch.bfloat16
               and out.device == dev and out.is_contiguous()):
-        _check_output(out, "out", q_shape, torch.bfloat16, dev)
+        _check_output(out, "out", out_shape, torch.bfloat16, dev)
     if lse is None:
         lse = torch.empty_like(plan.outputs[1])
     elif not (isinstance(lse, torch.Tensor) and lse.shape == (b, h_q, s_q) and lse.dtype == torch.float32
@@ -397,18 +402,21 @@ def planned_call(plan, sig, q, k_cache, indices, softmax_scale, attn_sink, topk_
 
 
 def write_kv(kv, k_cache, slot_mapping) -> None:
-    """Quantize new latent rows into their slots of a MODEL1 cache, in place.
+    """Quantize new latent rows into their slots of a cache, in place.
 
     Args:
-        kv: ``[N, 512]`` (or ``[N, 1, 512]``) bf16: the new tokens' latents.
-        k_cache: ``[num_blocks, P, 1, 584]`` float8_e4m3fn (or uint8) MODEL1 cache, any page
-            stride (a view into a larger pool works).
+        kv: ``[N, 512]`` (or ``[N, 1, 512]``) bf16: the new tokens' latents; ``[N, 576]`` for a
+            V3.2 cache (the width names the layout, as q's head dim does).
+        k_cache: ``[num_blocks, P, 1, 584]`` float8_e4m3fn (or uint8) MODEL1 cache, or
+            ``[num_blocks, P, 1, 656]`` V3.2 cache, any page stride (a view into a larger pool
+            works).
         slot_mapping: ``[N]`` int32 or int64: row ``i`` goes to token ``block * P + offset =
             slot_mapping[i]``. A slot below 0, or at or past ``num_blocks * P``, is skipped:
             nothing is written for it (no host sync, so it cannot raise).
 
-    Each written token's 576-byte data row and 8-byte scale row are the bytes
-    :func:`mla.quantize_kv` writes for the same values; no other byte of the cache changes. The
+    Each written token's bytes (MODEL1: its 576-byte data row and 8-byte scale row; V3.2: its
+    656 bytes) are those :func:`mla.quantize_kv` writes for the same values; no other byte of
+    the cache changes. The
     values must be finite, as for ``quantize_kv``. Capturable in a CUDA graph. Under
     ``torch.compile`` it is the custom op ``torch.ops.mla.write_kv``.
     """
@@ -421,9 +429,9 @@ def write_kv(kv, k_cache, slot_mapping) -> None:
         fail("kv", f"expected dtype torch.bfloat16, got {kv.dtype}")
     if kv.dim() == 3 and kv.shape[1] == 1:
         kv = kv[:, 0]
-    if kv.dim() != 2 or kv.shape[1] != D_QK:
-        fail("kv", f"expected shape [N, {D_QK}] (or [N, 1, {D_QK}]), got {tuple(kv.shape)}")
-    check_cache(k_cache, "k_cache")
+    if kv.dim() != 2:
+        fail("kv", f"expected shape [N, {D_QK}] (or [N, 1, {D_QK}]; [N, 576] for V3.2), got {tuple(kv.shape)}")
+    layout = check_cache(k_cache, "k_cache", layout_for_head_dim(kv.shape[1], "kv"))
     if not isinstance(slot_mapping, torch.Tensor):
         fail("slot_mapping", f"expected a torch.Tensor, got {type(slot_mapping).__name__}")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
@@ -436,7 +444,7 @@ def write_kv(kv, k_cache, slot_mapping) -> None:
     if kv.stride(1) != 1:
         kv = kv.contiguous()
     writer.write_kv(kv, k_cache.view(torch.uint8), k_cache.stride(0), k_cache.shape[1], k_cache.shape[0],
-                    slot_mapping.contiguous())
+                    slot_mapping.contiguous(), v32=layout is V32)
 
 
 __all__ = ["IMPLS", "MAX_HEADS", "Plan", "TOKEN_BYTES", "check_cache", "check_inputs", "plan", "resolve_impl",

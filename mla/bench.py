@@ -36,7 +36,7 @@ from triton.compiler import CompiledKernel
 
 from . import api, configs, dispatch
 from .kernels import combine, tl_dot
-from .layout import D_QK, TOKEN_BYTES, empty_cache, page_stride, quantize_kv, token_bytes
+from .layout import D_QK, MODEL1, TOKEN_BYTES, CacheLayout, empty_cache, page_stride, quantize_kv, token_bytes
 
 try:                     # DeepSeek's FlashMLA, where its extension is built (impl "flashmla")
     import flash_mla
@@ -105,16 +105,17 @@ def flops(s: Shape) -> int:
     return 2 * s.b * s.s_q * s.h_q * s.topk_total * 2 * D_QK
 
 
-def random_cache(num_blocks: int, page: int, device, generator=None, chunk_tokens: int = 1 << 20) -> torch.Tensor:
-    """A MODEL1 cache holding :func:`mla.quantize_kv` of N(0, 1) latents, as FlashMLA's tests use,
-    quantized in chunks so that multi-GB pools fit in memory."""
-    cache = empty_cache(num_blocks, page, device=device, fill=0)
-    ps = page_stride(page)
+def random_cache(num_blocks: int, page: int, device, generator=None, chunk_tokens: int = 1 << 20,
+                 layout: CacheLayout = MODEL1) -> torch.Tensor:
+    """A cache (MODEL1's, or ``layout``'s) holding :func:`mla.quantize_kv` of N(0, 1) latents, as
+    FlashMLA's tests use, quantized in chunks so that multi-GB pools fit in memory."""
+    cache = empty_cache(num_blocks, page, device=device, fill=0, layout=layout)
+    ps = page_stride(page, layout)
     flat = torch.as_strided(cache.view(torch.uint8), (num_blocks, ps), (cache.stride(0), 1))
     step = max(1, chunk_tokens // page)
     for lo in range(0, num_blocks, step):
         hi = min(num_blocks, lo + step)
-        kv = torch.randn(hi - lo, page, D_QK, device=device, generator=generator).bfloat16()
+        kv = torch.randn(hi - lo, page, layout.d_qk, device=device, generator=generator).bfloat16()
         flat[lo:hi] = torch.as_strided(quantize_kv(kv).view(torch.uint8), (hi - lo, ps), (ps, 1))
     return cache
 

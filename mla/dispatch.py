@@ -10,6 +10,8 @@ From the shapes and the device alone (no host sync), for ``impl="mma"``:
   programs per head block where the grid is small (:func:`fill_small_grid`);
 - a Gluon pick whose caches it cannot copy (:func:`mla.kernels.gluon_sm90.row_align`) falls
   back to the ``tl.dot`` config;
+- DeepSeek-V3.2's cache (:data:`mla.layout.V32`) runs the ``tl.dot`` kernel on every GPU: the
+  Gluon kernel reads the layouts of :data:`GLUON_LAYOUTS` only (MODEL1's);
 - the schedule (:func:`programs_for`): the flat work list of :mod:`mla.schedule`, its share
   size from the shapes or, with lengths, from the lengths on the device; uniform splits for
   the one form with a program per query piece.
@@ -30,7 +32,7 @@ from .configs import GLUON_FORMS, GluonConfig, PortableConfig, TlDotConfig
 from .kernels import combine, cross_arch, tl_dot
 from .kernels.common import LOG2E, fp8_native
 from .kernels.simt import simt_sparse_decode
-from .layout import D_QK, fail
+from .layout import D_V, MODEL1, V32, CacheLayout, cache_layout, fail
 
 #: tokens per ring stage of the Gluon kernel (its schedule's tile)
 GLUON_RING_N = 64
@@ -47,6 +49,8 @@ except (ImportError, AttributeError):
 
 #: the SM count assumed under the interpreter (it sizes the split count only)
 INTERPRETER_SMS = 4
+#: the cache layouts the Gluon kernel reads (V3.2's runs the tl.dot kernel until it reads that too)
+GLUON_LAYOUTS = (MODEL1,)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -206,8 +210,9 @@ def tl_dot_launch_config(device: torch.device, b: int, s_q: int, h_q: int, topk_
 
 
 def gluon_align(k_cache, extra_k_cache=None) -> int:
-    """The Gluon kernel's copy width for these caches (0: it cannot copy them, or no Gluon)."""
-    if gluon_sm90 is None:
+    """The Gluon kernel's copy width for these caches (0: it cannot copy them, or no Gluon, or a
+    layout it does not read)."""
+    if gluon_sm90 is None or cache_layout(k_cache) not in GLUON_LAYOUTS:
         return 0
     caches = [(k_cache.view(torch.uint8), k_cache.stride(0))]
     if extra_k_cache is not None:
@@ -216,12 +221,15 @@ def gluon_align(k_cache, extra_k_cache=None) -> int:
 
 
 def decide(table: dict, gluon: bool, sms: int, b: int, s_q: int, h_q: int, topk: int, extra_topk: int, align: int,
-           has_lengths: bool = False):
+           has_lengths: bool = False, layout: CacheLayout = MODEL1):
     """(config, programs, share) that the launch rule picks on given facts, no GPU needed:
     ``table`` the ``tl.dot`` table of the GPU (:func:`mla.configs.table_for`), ``gluon`` whether
     the Gluon kernel may run, ``sms`` its SM count, ``align`` the caches' :func:`gluon_align`,
-    ``has_lengths`` whether the call gives ``topk_length`` or ``extra_topk_length``."""
+    ``has_lengths`` whether the call gives ``topk_length`` or ``extra_topk_length``, ``layout``
+    the caches' layout (one the Gluon kernel does not read, :data:`GLUON_LAYOUTS`, runs the
+    ``tl.dot`` kernel)."""
     tl_cfg = configs.bucket_config(table, h_q)
+    gluon = gluon and layout in GLUON_LAYOUTS
     cfg = choose_config(tl_cfg, gluon, b, s_q, h_q, topk + extra_topk, sms)
     if cfg.kernel == "gluon" and not align:     # caches the Gluon kernel cannot copy
         cfg = tl_cfg
@@ -236,13 +244,14 @@ def _units(cfg, topk: int, extra_topk: int) -> int:
 
 
 def plan_launch(device: torch.device, b: int, s_q: int, h_q: int, topk: int, extra_topk: int, align: int,
-                has_lengths: bool = False, config=None, programs: int | None = None, isa: int = 0) -> Launch:
+                has_lengths: bool = False, config=None, programs: int | None = None, isa: int = 0,
+                layout: CacheLayout = MODEL1) -> Launch:
     """The launch for these shapes on ``device``; ``align`` is :func:`gluon_align` of the caches
-    (0 where there is no Gluon). ``config`` and ``programs`` force a choice (tests, experiments):
-    ``programs`` balanced shares of the work list (or uniform splits of each query, for the
-    two-consumer form). ``isa`` (80, 86 or 89) runs the ``tl.dot`` kernel as that architecture
-    compiles it (:mod:`mla.kernels.cross_arch`), with that architecture's generic table and FP8
-    decode, on this GPU's SMs: what an A100 or an L40 executes, timed here."""
+    (0 where there is no Gluon), ``layout`` their layout. ``config`` and ``programs`` force a
+    choice (tests, experiments): ``programs`` balanced shares of the work list (or uniform splits
+    of each query, for the two-consumer form). ``isa`` (80, 86 or 89) runs a portable kernel as
+    that architecture compiles it (:mod:`mla.kernels.cross_arch`), with that architecture's
+    generic table and FP8 decode, on this GPU's SMs: what an A100 or an L40 executes, timed here."""
     sms, table, gluon, native = _facts(device)
     if isa:
         if isa not in cross_arch.ISAS:
@@ -256,6 +265,9 @@ def plan_launch(device: torch.device, b: int, s_q: int, h_q: int, topk: int, ext
     if config is not None:
         cfg = config.for_heads(h_q)
         if cfg.kernel == "gluon":
+            if layout not in GLUON_LAYOUTS:
+                raise ValueError(f"config: the Gluon kernel reads the MODEL1 cache only, not {layout.name}'s: "
+                                 "force a TlDotConfig, or leave config to the launch rule")
             if gluon_sm90 is None or _runtime.INTERPRET or device.type != "cuda" \
                     or torch.cuda.get_device_capability(device) != (9, 0):
                 raise ValueError("config: the Gluon kernel is for Hopper GPUs (sm_90, not the interpreter); "
@@ -264,6 +276,9 @@ def plan_launch(device: torch.device, b: int, s_q: int, h_q: int, topk: int, ext
                 raise ValueError("config: the Gluon kernel copies cache rows 8 or 16 bytes at a time: it needs "
                                  "caches whose base addresses are multiples of 16 and page strides multiples of 8")
         elif cfg.kernel == "gluon_portable":
+            if layout not in GLUON_LAYOUTS:
+                raise ValueError(f"config: the portable Gluon kernel reads the MODEL1 cache only, not {layout.name}'s: "
+                                 "force a TlDotConfig, or leave config to the launch rule")
             if gluon_portable is None or _runtime.INTERPRET or device.type != "cuda":
                 raise ValueError("config: the portable Gluon kernel runs on a CUDA GPU (not the interpreter); this "
                                  f"device is {device}")
@@ -274,7 +289,7 @@ def plan_launch(device: torch.device, b: int, s_q: int, h_q: int, topk: int, ext
     elif table is None:                        # the interpreter: one small config
         cfg = tl_dot_config(device, h_q)
     else:
-        cfg = decide(table, gluon, sms, b, s_q, h_q, topk, extra_topk, align)[0]
+        cfg = decide(table, gluon, sms, b, s_q, h_q, topk, extra_topk, align, layout=layout)[0]
     n_q = b * s_q
     if programs is None:
         programs, share = programs_for(cfg, n_q, h_q, topk, extra_topk, sms, has_lengths)
@@ -302,7 +317,7 @@ def workspace(launch: Launch, b: int, s_q: int, h_q: int, device) -> tuple:
     slots = 2 * launch.programs if launch.flat else b * s_q * launch.programs
     po = plse = None
     if launch.combine:
-        po = torch.empty(slots, h_q, D_QK, dtype=torch.float16, device=device)
+        po = torch.empty(slots, h_q, D_V, dtype=torch.float16, device=device)
         plse = torch.empty(slots, h_q, dtype=torch.float32, device=device)
     rec = torch.empty(3 * launch.programs + b * s_q if launch.flat else 3, dtype=torch.int32, device=device)
     return po, plse, rec
@@ -334,7 +349,7 @@ class Launcher:
 
     def __init__(self, launch: Launch, q, k_cache, indices, attn_sink=None, topk_length=None, extra_k_cache=None,
                  extra_indices=None, extra_topk_length=None, softmax_scale=None):
-        b, s_q, h_q, _ = q.shape
+        b, s_q, h_q, d_qk = q.shape
         self.launch, self.n_q, self.s_q, self.h_q = launch, b * s_q, s_q, h_q
         cfg = launch.config
         if cfg.kernel == "gluon":
@@ -354,13 +369,13 @@ class Launcher:
             grid, kw = tl_dot.launch_params(h_q, launch.programs, block_h=cfg.block_h, block_n=cfg.block_n,
                                             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                             dv_halves=cfg.dv_halves, fp8_native=launch.fp8_native,
-                                            dot=tl_dot.OPERAND_DTYPE)
+                                            dot=tl_dot.OPERAND_DTYPE, v32=cache_layout(k_cache) is V32)
         self.has_extra = extra_k_cache is not None
         self.kwargs = dict(HAS_SINK=attn_sink is not None, HAS_LEN=topk_length is not None,
                            HAS_EXTRA=self.has_extra, HAS_ELEN=extra_topk_length is not None, **kw)
         ec = extra_k_cache if self.has_extra else k_cache
         ei = extra_indices if self.has_extra else indices
-        scale = (D_QK ** -0.5 if softmax_scale is None else float(softmax_scale)) * LOG2E
+        scale = (d_qk ** -0.5 if softmax_scale is None else float(softmax_scale)) * LOG2E
         template = [None, *q.stride()[:3], None, None, None, 0 if attn_sink is None else attn_sink.stride(0), None,
                     None, None,
                     None, k_cache.stride(0), k_cache.shape[1], k_cache.shape[0] * k_cache.shape[1],

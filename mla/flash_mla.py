@@ -2,13 +2,14 @@
 ``get_mla_metadata`` and ``flash_mla_with_kvcache`` runs unchanged after
 ``import mla.flash_mla as flash_mla``, on any GPU Triton supports (and on the CPU interpreter).
 
-The path it covers is FlashMLA's sparse decode over the DeepSeek-V4 "MODEL1" FP8 cache
-(``d_qk`` 512, 584-byte tokens): ``indices`` given, ``is_fp8_kvcache=True``, ``head_dim_v`` 512.
-Dense decode, the V3.2 cache (``d_qk`` 576) and bf16 caches are refused with a ValueError that
-says so. It takes every argument the serving stacks pass, with FlashMLA's meaning: ``out=``
-(vLLM's vendored interface), a buffer written in place; ``block_table`` and ``cache_seqlens``,
-which the sparse decode ignores when ``indices`` is given (vLLM's sparse backend passes dummy
-ones), though something that is neither a tensor nor None is still refused by name.
+The path it covers is FlashMLA's sparse decode over its two FP8 caches, DeepSeek-V4's "MODEL1"
+(``d_qk`` 512, 584-byte tokens) and DeepSeek-V3.2's (``d_qk`` 576, 656-byte tokens): ``indices``
+given, ``is_fp8_kvcache=True``, ``head_dim_v`` 512. Dense decode and bf16 caches are refused
+with a ValueError that says so. It takes every argument the serving stacks pass, with FlashMLA's
+meaning: ``out=`` (vLLM's vendored interface), a buffer written in place; ``block_table`` and
+``cache_seqlens``, which the sparse decode ignores when ``indices`` is given (vLLM's sparse
+backend passes dummy ones), though something that is neither a tensor nor None is still refused
+by name.
 
 As in FlashMLA, the metadata object is filled by its first call (here with a :class:`mla.Plan`)
 and later calls only check that they match it; where FlashMLA asserts, this raises a ValueError
@@ -24,13 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from . import api
-from .layout import D_QK, D_V, TOKEN_BYTES, fail
-
-#: FlashMLA's V3.2 layout: 576-dim q and k, 656-byte FP8 tokens; not supported here
-_V32_D_QK, _V32_TOKEN_BYTES = 576, 656
+from .layout import D_V, fail
 
 
 @dataclasses.dataclass
@@ -72,13 +68,7 @@ def _refuse_unsupported(q, k_cache, head_dim_v, num_splits, causal, is_fp8_kvcac
     if causal:
         fail("causal", "must be False for the sparse decode (as in FlashMLA)")
     if not is_fp8_kvcache:
-        fail("is_fp8_kvcache", "must be True: mla.flash_mla covers the FP8 MODEL1 cache only (no bf16 caches)")
-    if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[-1] == _V32_D_QK:
-        fail("q", f"head dim {_V32_D_QK} is DeepSeek-V3.2's layout, which mla does not support; mla covers the "
-                  f"DeepSeek-V4 MODEL1 cache (head dim {D_QK}, {TOKEN_BYTES}-byte tokens)")
-    if isinstance(k_cache, torch.Tensor) and k_cache.dim() == 4 and k_cache.shape[-1] == _V32_TOKEN_BYTES:
-        fail("k_cache", f"{_V32_TOKEN_BYTES}-byte tokens are DeepSeek-V3.2's layout, which mla does not support; "
-                        f"mla covers the MODEL1 cache ({TOKEN_BYTES}-byte tokens)")
+        fail("is_fp8_kvcache", "must be True: mla.flash_mla covers the FP8 caches only (no bf16 caches)")
     if head_dim_v != D_V:
         fail("head_dim_v", f"must be {D_V}, got {head_dim_v!r}")
 
@@ -107,12 +97,13 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
                            num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None,
                            attn_sink=None, extra_k_cache=None, extra_indices_in_kvcache=None, topk_length=None,
                            extra_topk_length=None, out=None):
-    """FlashMLA's ``flash_mla_with_kvcache`` for the sparse FP8 MODEL1 path: its names, order,
-    defaults and semantics, with vLLM's ``out`` after them. Returns ``(out [b, s_q, h_q, 512]
-    bf16, lse [b, h_q, s_q] fp32)``; ``out``, when given, is that buffer, written in place (a
-    contiguous bf16 tensor of q's device and of that shape: anything else is a ValueError naming
-    ``out``). ``block_table`` and ``cache_seqlens`` are ignored (``indices`` picks the tokens).
-    ``softmax_scale`` defaults to ``q.shape[-1] ** -0.5``."""
+    """FlashMLA's ``flash_mla_with_kvcache`` for the sparse FP8 path, MODEL1 or V3.2 (q's head dim,
+    512 or 576, names the cache's layout): its names, order, defaults and semantics, with vLLM's
+    ``out`` after them. Returns ``(out [b, s_q, h_q, 512] bf16, lse [b, h_q, s_q] fp32)``; ``out``,
+    when given, is that buffer, written in place (a contiguous bf16 tensor of q's device and of
+    that shape: anything else is a ValueError naming ``out``). ``block_table`` and
+    ``cache_seqlens`` are ignored (``indices`` picks the tokens). ``softmax_scale`` defaults to
+    ``q.shape[-1] ** -0.5``."""
     meta = tile_scheduler_metadata
     if not isinstance(meta, FlashMLASchedMeta):
         fail("tile_scheduler_metadata", "must be the FlashMLASchedMeta from mla.flash_mla.get_mla_metadata(), got "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import api
-from .layout import D_QK
+from .layout import D_V
 
 
 @torch.library.custom_op("mla::sparse_decode", mutates_args=())
@@ -26,7 +26,7 @@ def sparse_decode_op(q: torch.Tensor, k_cache: torch.Tensor, indices: torch.Tens
 def _(q, k_cache, indices, softmax_scale=None, attn_sink=None, topk_length=None, extra_k_cache=None,
       extra_indices=None, extra_topk_length=None, impl="auto"):
     b, s_q, h_q, _ = q.shape
-    return (q.new_empty(b, s_q, h_q, D_QK, dtype=torch.bfloat16),
+    return (q.new_empty(b, s_q, h_q, D_V, dtype=torch.bfloat16),             # V: 512 columns in both layouts
             q.new_empty(b, h_q, s_q, dtype=torch.float32))
 
 

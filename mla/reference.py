@@ -10,11 +10,11 @@ import math
 
 import torch
 
-from .layout import D_QK, gather_tokens
+from .layout import cache_layout, gather_tokens
 
 
 def _gather_valid(k_cache, indices, length, dtype):
-    """Dequantized selected tokens ``[b, s_q, topk, 512]`` (zeros where invalid) and the mask."""
+    """Dequantized selected tokens ``[b, s_q, topk, d_qk]`` (zeros where invalid) and the mask."""
     b, s_q, topk = indices.shape
     n_tokens = k_cache.shape[0] * k_cache.shape[1]
     valid = (indices >= 0) & (indices < n_tokens)
@@ -32,17 +32,21 @@ def sparse_decode_reference(q, k_cache, indices, softmax_scale=None, attn_sink=N
                             topk_length=None, extra_k_cache=None, extra_indices=None,
                             extra_topk_length=None, *, dtype=torch.float64, batch_chunk=None,
                             out_dtype=torch.bfloat16):
-    """Reference sparse decode. Arguments as :func:`mla.sparse_decode` (not re-checked here).
+    """Reference sparse decode. Arguments as :func:`mla.sparse_decode` (not re-checked here),
+    either layout: q ``[b, s_q, h_q, d_qk]`` with the cache's d_qk (512 MODEL1, 576 V3.2).
 
-    Returns ``out`` bf16 ``[b, s_q, h_q, 512]`` and ``lse`` float32 ``[b, h_q, s_q]``.
-    ``dtype`` is the compute precision; ``out_dtype`` the dtype of ``out`` (bf16 as the API;
-    validation keeps the unrounded float64); ``batch_chunk`` bounds the memory of the gather.
+    Returns ``out`` bf16 ``[b, s_q, h_q, 512]`` (V is a token's first 512 columns: MODEL1's
+    whole latent, V3.2's nope part) and ``lse`` float32 ``[b, h_q, s_q]``. The scale defaults to
+    ``d_qk**-0.5``, as FlashMLA's. ``dtype`` is the compute precision; ``out_dtype`` the dtype of
+    ``out`` (bf16 as the API; validation keeps the unrounded float64); ``batch_chunk`` bounds the
+    memory of the gather.
     """
-    b, s_q, h_q, _ = q.shape
-    scale = D_QK ** -0.5 if softmax_scale is None else float(softmax_scale)
+    b, s_q, h_q, d_qk = q.shape
+    d_v = cache_layout(k_cache).d_v
+    scale = d_qk ** -0.5 if softmax_scale is None else float(softmax_scale)
     if batch_chunk is None:
         per_b = s_q * (indices.shape[-1] + (0 if extra_indices is None else extra_indices.shape[-1]))
-        batch_chunk = max(1, (1 << 28) // max(1, per_b * D_QK * torch.finfo(dtype).bits // 8))
+        batch_chunk = max(1, (1 << 28) // max(1, per_b * d_qk * torch.finfo(dtype).bits // 8))
     outs, lses = [], []
     for lo in range(0, b, batch_chunk):
         hi = min(b, lo + batch_chunk)
@@ -59,7 +63,7 @@ def sparse_decode_reference(q, k_cache, indices, softmax_scale=None, attn_sink=N
         empty = ~valid.any(-1)[:, :, None]                               # [b, s, 1]
         lse_safe = torch.where(empty, torch.zeros_like(lse), lse)
         p = torch.exp(scores - lse_safe[..., None])                      # exp(-inf) = 0
-        out = torch.einsum("bsht,bstd->bshd", p, kv)
+        out = torch.einsum("bsht,bstd->bshd", p, kv[..., :d_v])
         if attn_sink is not None:
             sink = attn_sink.to(dtype).view(1, 1, h_q)
             factor = 1.0 / (1.0 + torch.exp(sink - lse_safe))

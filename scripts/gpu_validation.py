@@ -17,7 +17,10 @@ tl.dot kernel with its shipped configs, and on sm_90 the Gluon kernel's four for
 (mla.configs.GLUON_FORMS); "mma-tl-sm80" and "mma-tl-sm89" the portable kernel as an A100 and an
 L40 compile it (their generic tables, mla.kernels.cross_arch), on the GPU in hand; "mma-gp*" the
 portable Gluon kernel (mla.kernels.gluon_portable), this GPU's code and those two's. The check is
-FlashMLA's whole check, the cosine difference included.
+FlashMLA's whole check, the cosine difference included. DeepSeek-V3.2's cases
+(mla.validate.v32_cases, the set "v32") run every counted impl but the Gluon ones (the Hopper
+kernel's and the portable one's): they read the MODEL1 cache only, and "mma" runs the tl.dot
+kernel there.
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ import triton  # noqa: E402
 import mla.validate as mv  # noqa: E402
 from mla import bench, dispatch  # noqa: E402
 from mla.configs import GluonConfig  # noqa: E402
+from mla.layout import layout_for_head_dim  # noqa: E402
 
 # "reference": fp32
 COUNTED = ("reference", "simt", "mma", "mma-tl", "mma-tl-sm80", "mma-tl-sm89", "mma-gp", "mma-gp-sm80",
@@ -124,6 +128,14 @@ def _records(rows):
     return [{k: _jsonable(v) for k, v in r.items()} for r in rows]
 
 
+def impls_for(spec, names) -> tuple:
+    """The impls a case runs: all of ``names`` but, for a cache the Gluon kernel does not read
+    (V3.2's, mla.dispatch.GLUON_LAYOUTS), the forced Gluon ones."""
+    if layout_for_head_dim(spec.d_qk) in dispatch.GLUON_LAYOUTS:
+        return tuple(names)
+    return tuple(n for n in names if n not in GLUON and n not in GLUON_PORTABLE)
+
+
 def _work(job):
     """One worker: run its cases (each a dict of CaseSpec fields) until the deadline."""
     specs, names, deadline, leak, wid, device = job
@@ -134,10 +146,11 @@ def _work(job):
             skipped.append(spec.name)
             continue
         t0 = time.time()
+        here = impls_for(spec, names)
         try:
-            got = mv.sweep_rows(_impls(names), [spec], device, progress=False, leak_check=leak)
+            got = mv.sweep_rows(_impls(here), [spec], device, progress=False, leak_check=leak)
         except Exception as e:  # noqa: BLE001  (sweep catches per call; this is the last net)
-            got = [mv._error_row(spec, n, f"worker: {type(e).__name__}: {e}"[:400]) for n in names]
+            got = [mv._error_row(spec, n, f"worker: {type(e).__name__}: {e}"[:400]) for n in here]
         rows += _records(got)
         bad = sum(not r["ok"] for r in got)
         print(f"[w{wid}] {spec.name}: {len(got) - bad}/{len(got)} ok, {time.time() - t0:.1f}s", flush=True)
@@ -163,13 +176,16 @@ def _split(specs, workers):
 def graph_replay_check():
     """The MMA call captured once in a CUDA graph, replayed over new index sets, each checked: a
     small grid (b 4; on sm_90 the Gluon kernel with tokens as M, elsewhere the tl.dot kernel),
-    one that fills the GPU (b 32; on sm_90 heads as M) and 8 heads at b 128 (on sm_90 8 heads x
-    128-token tiles)."""
+    one that fills the GPU (b 32; on sm_90 heads as M), 8 heads at b 128 (on sm_90 8 heads x
+    128-token tiles) and a V3.2 cache (the tl.dot kernel everywhere)."""
     runs = {}
     for b, h_q in ((4, 64), (32, 64), (128, 8)):
         case = mv.make_case(b=b, s_q=1, h_q=h_q, topk=512, page=64, num_blocks=256, extra_topk=64, extra_page=64,
                             device="cuda", seed=11, invalid_frac=0.05)
         runs[f"b{b} h{h_q}"] = mv.graph_replay_check(case)
+    case = mv.make_case(b=32, s_q=2, h_q=128, topk=2048, page=64, num_blocks=1024, device="cuda", seed=12,
+                        invalid_frac=0.05, d_qk=576)                       # V3.2's cache: the tl.dot kernel
+    runs["V3.2 b32 s_q2 h128"] = mv.graph_replay_check(case)
     return {"ok": all(r["ok"] for r in runs.values()), "runs": runs}
 
 
@@ -205,9 +221,12 @@ def main(argv=None) -> int:
     bench_specs = mv.benchmark_cases(pool_bytes=a.pool_gb * 1e9)
     odd_specs = mv.odd_cases()
     sched_specs = mv.schedule_cases() if on_gpu else []
+    v32_specs = mv.v32_cases(pool_bytes=a.pool_gb * 1e9) if on_gpu else []
     if a.quick:
         bench_specs, odd_specs = (bench_specs[:1], odd_specs[:3]) if on_gpu else ([], mv.quick_cases()[:4])
         sched_specs = sched_specs[:2]
+        v32_specs = v32_specs[:1] if on_gpu else [mv.CaseSpec("V3.2 quick", b=2, s_q=2, h_q=4, topk=40, page=16,
+                                                              lengths=True, d_qk=576, seed=7)]
     info_specs = [s for s in odd_specs if s.topk + s.extra_topk <= 120 and s.h_q >= 8][:8]
     info_specs.append(mv.CaseSpec("range probe |q| ~ 1e5 (beyond fp16)", b=1, s_q=1, h_q=16, topk=64, page=64,
                                   q_scale=3e4, sink_inf=False, seed=400))
@@ -219,10 +238,10 @@ def main(argv=None) -> int:
     if not on_gpu:                      # another architecture's code, and Gluon, run on a GPU only
         counted_impls = tuple(n for n in counted_impls if n not in OTHER_ISAS and n not in GLUON_PORTABLE)
     jobs = [(sp, counted_impls, deadline, not a.no_leak_check, i, a.device)
-            for i, sp in enumerate(_split(bench_specs + sched_specs + odd_specs, w))]
+            for i, sp in enumerate(_split(bench_specs + sched_specs + v32_specs + odd_specs, w))]
     jobs += [(sp, INFO_IMPLS + ("mma",), deadline, False, w + i, a.device) for i, sp in enumerate(_split(info_specs, 2))]
-    print(f"{len(bench_specs)} benchmark + {len(sched_specs)} schedule + {len(odd_specs)} odd cases x {counted_impls}, {len(info_specs)} informational; "
-          f"{w} workers", flush=True)
+    print(f"{len(bench_specs)} benchmark + {len(sched_specs)} schedule + {len(v32_specs)} V3.2 + {len(odd_specs)} odd "
+          f"cases x {counted_impls}, {len(info_specs)} informational; {w} workers", flush=True)
     results = _run_pool([j for j in jobs if j[0]], w)
     rows, info_rows, skipped, info_skipped = [], [], [], []
     for job, (r, sk) in zip([j for j in jobs if j[0]], results):
@@ -230,7 +249,7 @@ def main(argv=None) -> int:
         (rows if counted else info_rows).extend(r)
         (skipped if counted else info_skipped).extend(sk)
     kind = ({s.name: "benchmark" for s in bench_specs} | {s.name: "schedule" for s in sched_specs}
-            | {s.name: "odd" for s in odd_specs})
+            | {s.name: "v32" for s in v32_specs} | {s.name: "odd" for s in odd_specs})
     for r in rows:
         r["set"] = kind.get(r["case"])
     try:
@@ -239,7 +258,9 @@ def main(argv=None) -> int:
         graph = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
     summ = mv.summary(rows)
     summ.update(impls=list(counted_impls), skipped=skipped, complete=not skipped, graph_replay_ok=graph["ok"],
-                benchmark_cases=len(bench_specs), schedule_cases=len(sched_specs), odd_cases=len(odd_specs), pool_bytes=a.pool_gb * 1e9,
+                benchmark_cases=len(bench_specs), schedule_cases=len(sched_specs), v32_cases=len(v32_specs),
+                odd_cases=len(odd_specs), pool_bytes=a.pool_gb * 1e9,
+                gluon_skipped_v32=[n for n in counted_impls if n in GLUON or n in GLUON_PORTABLE] if v32_specs else [],
                 seconds=round(time.time() - t_start, 1))
     info = {"about": "not counted: mma-bf16 is the MMA kernel with bf16 tensor-core operands (P rounded to "
                      "2**-8), expected to fail the SPEC's out tolerance where few tokens are valid; the range probe "

@@ -8,7 +8,10 @@ rule can pick, ahead of time (no GPU), and compare the SASS instruction text bef
 
 A variant is named by what it is (kernel, architecture, config, flags), not by the code's
 parameter names, so the two sides may spell their constexprs differently: :func:`launch_spec`
-translates a variant into either side's kernel arguments. The SASS is normalised before it is
+translates a variant into either side's kernel arguments. Three generations of the code are
+known: the one before the layered package (``mla/kernels/mma.py``), the layered package with a
+``PARTIAL`` constexpr (its variants flag ``partial``), and the flat work list's kernels, whose
+arguments :mod:`mla.aot` describes (its variants flag ``lengths``: HAS_LEN and HAS_ELEN). The SASS is normalised before it is
 hashed: addresses, encodings and the kernel's name are dropped, labels kept (they are numbered
 in program order). Registers, spills and shared memory are compared too. ``compare`` exits 1
 if any variant differs, and also checks that every variant the current code ships
@@ -32,7 +35,7 @@ ARCHS = (80, 89, 90, 100, 120)
 #: the Gluon kernel's forms: (heads per program, 64-token ring tiles per consumer tile, two consumers)
 GLUON_FORMS = {"heads as M": (64, 1, False), "tokens as M 16x64": (16, 1, False),
                "tokens as M 8x128": (8, 2, False), "tokens as M two consumers": (8, 1, True)}
-_FLAG_SETS = ((True, True), (True, False), (False, True))     # (has_extra, partial)
+_FLAG_SETS = ((True, True), (True, False), (False, True))     # (has_extra, partial or lengths)
 
 _DECODE_TYPES = {
     "q_ptr": "*bf16", "out_ptr": "*bf16", "lse_ptr": "*fp32", "sink_ptr": "*fp32", "po_ptr": "*fp16",
@@ -61,22 +64,22 @@ def key(v: dict) -> str:
 # The variants
 # ------------------------------------------------------------------------------------------
 
-def _tl_variants(configs_by_arch) -> list[dict]:
+def _tl_variants(configs_by_arch, flag: str = "partial") -> list[dict]:
     out = []
     for arch, cfgs in configs_by_arch.items():
         for c in cfgs:
-            for has_extra, partial in _FLAG_SETS:
-                out.append({"kernel": "tl_dot", "arch": arch, **c, "has_extra": has_extra, "partial": partial})
+            for has_extra, on in _FLAG_SETS:
+                out.append({"kernel": "tl_dot", "arch": arch, **c, "has_extra": has_extra, flag: on})
     return out
 
 
-def _fixed_variants() -> list[dict]:
+def _fixed_variants(flag: str = "partial") -> list[dict]:
     """The Gluon forms, the combine and the SIMT kernel: the same on both sides."""
     out = []
     for form in GLUON_FORMS:
-        for align, partial, has_extra in ((16, True, True), (16, False, True), (8, True, True), (8, False, True),
-                                          (16, True, False)):
-            out.append({"kernel": "gluon", "arch": 90, "form": form, "align": align, "partial": partial,
+        for align, on, has_extra in ((16, True, True), (16, False, True), (8, True, True), (8, False, True),
+                                     (16, True, False)):
+            out.append({"kernel": "gluon", "arch": 90, "form": form, "align": align, flag: on,
                         "has_extra": has_extra})
     for arch in ARCHS:
         for sink in (True, False):
@@ -111,6 +114,13 @@ def old_variants() -> list[dict]:
     return _tl_variants(by_arch) + _fixed_variants()
 
 
+def _flat_work_list() -> bool:
+    """Whether the code under test has the flat work list's kernels (no ``PARTIAL`` constexpr)."""
+    from mla.kernels.tl_dot import tl_dot_decode_kernel
+
+    return "PARTIAL" not in tl_dot_decode_kernel.arg_names
+
+
 def current_variants() -> list[dict]:
     """Every variant the code under test can launch, by its own enumeration."""
     if not _new_layout():
@@ -123,18 +133,60 @@ def current_variants() -> list[dict]:
             f = _tl_fields(cfg)
             if f not in by_arch[arch]:
                 by_arch[arch].append(f)
-    return _tl_variants(by_arch) + _fixed_variants()
+    flag = "lengths" if _flat_work_list() else "partial"
+    return _tl_variants(by_arch, flag) + _fixed_variants(flag)
 
 
 # ------------------------------------------------------------------------------------------
 # A variant as kernel arguments, on either side
 # ------------------------------------------------------------------------------------------
 
+def _flat_spec(v: dict):
+    """:func:`launch_spec` for the flat work list's kernels, from :mod:`mla.aot`'s own variants (so
+    that the two cannot drift apart)."""
+    from mla import aot
+    from mla.kernels import combine
+
+    k, arch = v["kernel"], v["arch"]
+    if k == "tl_dot":
+        a = aot.tl_dot_variant(arch, block_h=v["block_h"], block_n=v["block_n"], num_warps=v["num_warps"],
+                               num_stages=v["num_stages"], dv_halves=v["dv_halves"], has_extra=v["has_extra"],
+                               lengths=v["lengths"])
+    elif k == "gluon":
+        heads, units, duo = GLUON_FORMS[v["form"]]
+        form = {f: h for f, h in aot.GLUON_FORMS.items() if h == (heads, units * 64, duo)}
+        (name,) = form
+        a = aot.gluon_variant(name, has_extra=v["has_extra"], lengths=v["lengths"], align=v["align"])
+    elif k == "combine":
+        _grid, kw = combine.launch_params(2, 2, 1, v["has_sink"], True)
+        ce = {n: kw[n] for n in ("HAS_SINK", "FLAT", "BY_QUERY")}
+        types = {"po_ptr": "*fp16", "plse_ptr": "*fp32", "rec_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
+                 "sink_ptr": "*fp32", "sink_stride": "i32", "s_q": "i32", "h_q": "i32", "num_splits": "i32"}
+        return combine.combine_kernel, False, ce, types, kw["num_warps"], kw["num_stages"]
+    elif k == "simt":
+        from mla.kernels import simt
+
+        ce = {"HAS_SINK": True, "HAS_LEN": True, "HAS_EXTRA": v["has_extra"], "HAS_ELEN": v["has_extra"],
+              "BLOCK_N": simt.BLOCK_N, "FP8_NATIVE": arch >= 89}
+        return simt.simt_decode_kernel, False, ce, dict(aot._DECODE_TYPES), simt.NUM_WARPS, 1
+    else:
+        raise ValueError(f"unknown kernel {k!r}")
+    kern, gluon = aot._kernel(a["kernel"])
+    ce = dict(a["constexprs"])
+    if isinstance(ce.get("DOT"), str):
+        import triton.language as tl
+
+        ce["DOT"] = getattr(tl, ce["DOT"])
+    return kern, gluon, ce, dict(aot._DECODE_TYPES), a["num_warps"], a["num_stages"]
+
+
 def launch_spec(v: dict):
     """(kernel, is Gluon, constexprs, signature types, num_warps, num_stages) of a variant."""
     import triton.language as tl
 
     new = _new_layout()
+    if new and _flat_work_list():
+        return _flat_spec(v)
     k = v["kernel"]
     arch = v["arch"]
     flags = {"HAS_SINK": True, "HAS_LEN": True}

@@ -54,6 +54,47 @@ def test_the_other_architectures_run_their_loop_on_the_tensor_cores_without_spil
         assert configs.accumulator_regs(cfg) <= configs.ACCUMULATOR_REGS[arch], cfg
 
 
+@pytest.fixture(scope="module")
+def compiled_v32():
+    """The V3.2 form of every shipped tl.dot config on every architecture, beside its MODEL1 form,
+    with their token-tile loops."""
+    variants = [dict(v, loops=True) for arch in aot.ARCHS for v32 in (True, False)
+                for v in aot.shipped_variants(arch, v32=v32) if v["kernel"] == "tl_dot_decode_kernel"]
+    return aot.report(variants)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_the_v32_form_of_every_shipped_tl_dot_config_compiles_and_fits_shared_memory(compiled_v32):
+    """DeepSeek-V3.2's calls run the tl.dot kernel with the configs MODEL1's would get on a GPU
+    without Gluon (:func:`mla.dispatch.decide`): in its V3.2 form each compiles for sm_80, 89, 90,
+    100 and 120 to a usable kernel inside the architecture's shared memory, with one token-tile
+    loop on the tensor cores that issues more tensor-core instructions than the MODEL1 form's (the
+    third dot, of the 64 rope columns). (Under Triton 3.9 that loop spills a few registers a tile
+    on every architecture, where MODEL1's spills on sm_90's 32- and 64-head configs only.)"""
+    v32 = [r for r in compiled_v32 if r["constexprs"].get("V32")]
+    model1 = {(r["arch"], r["num_warps"], r["num_stages"], r["constexprs"]["BLOCK_H"], r["constexprs"]["DV_HALVES"]): r
+              for r in compiled_v32 if not r["constexprs"].get("V32")}
+    assert {r["arch"] for r in v32} == set(aot.ARCHS)
+    assert len(v32) == sum(len(aot.shipped_tl_dot_configs(a)) for a in aot.ARCHS) == len(model1)
+    for r in v32:
+        assert "error" not in r, r
+        assert r["usable"] and r["fits"] and r["regs"] > 0, r
+        assert r["shared"] <= aot.SMEM_LIMIT[r["arch"]], r
+        (loop,) = r["loops"]
+        twin = model1[(r["arch"], r["num_warps"], r["num_stages"], r["constexprs"]["BLOCK_H"],
+                       r["constexprs"]["DV_HALVES"])]
+        assert loop["tensor_core"] > twin["loops"][0]["tensor_core"] > 0, (r, twin)
+
+
+def test_aot_has_no_v32_form_of_the_gluon_kernel():
+    assert all(v["kernel"] == "tl_dot_decode_kernel" for v in aot.shipped_variants(90, v32=True))
+    assert aot.shipped_variants(90, v32=True)[0]["constexprs"]["V32"] is True
+    assert "V32" not in aot.shipped_variants(90)[0]["constexprs"]           # MODEL1's spelled as before
+    with pytest.raises(ValueError, match="^v32:"):
+        aot.config_variant(90, GluonConfig(), v32=True)
+
+
 def test_the_generic_tables_follow_the_register_rule():
     """The rule, not a copy of the H200's table: the largest head block per bucket whose
     accumulator share fits the architecture, the whole 512 columns before half of them."""

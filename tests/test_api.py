@@ -73,7 +73,6 @@ Q_BAD = {
     "fp32": torch.zeros(B, S_Q, H_Q, 512, dtype=torch.float32),
     "rank3": torch.zeros(B, H_Q, 512, dtype=torch.bfloat16),
     "rank5": torch.zeros(B, S_Q, H_Q, 1, 512, dtype=torch.bfloat16),
-    "head_dim": torch.zeros(B, S_Q, H_Q, 576, dtype=torch.bfloat16),
     "head_dim_448": torch.zeros(B, S_Q, H_Q, 448, dtype=torch.bfloat16),
     "h_q_129": torch.zeros(B, S_Q, 129, 512, dtype=torch.bfloat16),
     "h_q_0": torch.zeros(B, S_Q, 0, 512, dtype=torch.bfloat16),
@@ -85,6 +84,36 @@ Q_BAD = {
 def test_q(case):
     with pytest.raises(ValueError, match="^q:"):
         call(q=Q_BAD[case])
+
+
+def v32_cache(p=P):
+    return mla.quantize_kv(torch.zeros(NB, p, 576, dtype=torch.bfloat16))
+
+
+def v32(**over):
+    """Valid V3.2 arguments: q 576 wide, a 656-byte cache."""
+    return dict(dict(q=torch.zeros(B, S_Q, H_Q, 576, dtype=torch.bfloat16), k_cache=v32_cache()), **over)
+
+
+def test_good_v32_arguments_pass():
+    out, lse = call(**v32(attn_sink=torch.zeros(H_Q), topk_length=torch.ones(B, dtype=torch.int32),
+                          extra_k_cache=v32_cache(3), extra_indices=extra_idx(),
+                          extra_topk_length=torch.ones(B, dtype=torch.int32)))
+    assert tuple(out.shape) == (B, S_Q, H_Q, 512) and tuple(lse.shape) == (B, H_Q, S_Q)   # V is 512 wide
+    call(**v32(k_cache=v32_cache().view(torch.uint8)))
+
+
+@pytest.mark.parametrize("kw, arg", [
+    (dict(q=torch.zeros(B, S_Q, H_Q, 576, dtype=torch.bfloat16)), "k_cache"),           # a MODEL1 cache
+    (dict(k_cache=v32_cache()), "k_cache"),                                             # a 512-wide q
+    (v32(extra_k_cache=extra_cache(), extra_indices=extra_idx()), "extra_k_cache"),    # a MODEL1 extra cache
+    (dict(extra_k_cache=v32_cache(), extra_indices=extra_idx()), "extra_k_cache"),
+])
+def test_a_cache_of_the_other_layout_than_qs_head_dim_names_is_refused(kw, arg):
+    """q's head dim names the layout (512 MODEL1, 576 V3.2), as in FlashMLA; a cache of the
+    other layout is the argument named."""
+    with pytest.raises(ValueError, match=f"^{arg}: .*-byte tokens are the .* layout"):
+        call(**kw)
 
 
 def test_q_h_q_128_is_accepted():
@@ -264,7 +293,7 @@ KV_BAD = {
     "rank2": torch.zeros(P, 512, dtype=torch.bfloat16),
     "rank5": torch.zeros(NB, P, 1, 1, 512, dtype=torch.bfloat16),
     "two_heads": torch.zeros(NB, P, 2, 512, dtype=torch.bfloat16),
-    "576_wide": torch.zeros(NB, P, 576, dtype=torch.bfloat16),
+    "640_wide": torch.zeros(NB, P, 640, dtype=torch.bfloat16),        # neither 512 (MODEL1) nor 576 (V3.2)
     "inf": torch.zeros(NB, P, 512, dtype=torch.bfloat16).index_fill_(2, torch.tensor([3]), float("inf")),
     "-inf_rope": torch.zeros(NB, P, 512, dtype=torch.bfloat16).index_fill_(2, torch.tensor([500]), -float("inf")),
     "nan": torch.zeros(NB, P, 512, dtype=torch.bfloat16).index_fill_(2, torch.tensor([0]), float("nan")),

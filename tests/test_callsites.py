@@ -317,18 +317,13 @@ def vllm_fp8_flash_mla_kernel(flash_mla_module, q, kv_c_and_k_pe_cache, topk_ind
     return out[:, :, :actual_num_heads, :], lse[:, :actual_num_heads, :]
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason="V3.2 cache lands with the V3.2 layout")
 def test_vllms_sparse_backend_decode_on_the_v32_cache(plans_made):
     """vLLM's sparse FlashMLA backend's decode (vllm-project/vllm,
     vllm/v1/attention/backends/mla/flashmla_sparse.py, FlashMLASparseImpl._fp8_flash_mla_kernel
     via _forward_fp8_kv_separate_prefill_decode, at 008a0c31dc020099dd40e8a2b7d2bdb37699b047):
     DeepSeek-V3.2's 656-byte cache and 576-dim q, 16 heads padded to 64, the builder's dummy
     block table and cache lengths beside the indices (FlashMLA ignores them), one metadata
-    object per step shared by the layers. Two layers' caches share one allocation.
-
-    The V3.2 layout is refused today (a ValueError): once it lands this passes, strict xfail
-    turns that into a failure, and the mark must go. Only the call's refusal of the layout may
-    raise a ValueError here: any other one fails the test."""
+    object per step shared by the layers. Two layers' caches share one allocation."""
     g = torch.Generator().manual_seed(7)
     num_decodes, s_q, heads, topk, blocks, block = 2, 1, 16, 64, 4, 64
     max_num_seqs, max_model_len = 8, 4096
@@ -346,13 +341,8 @@ def test_vllms_sparse_backend_decode_on_the_v32_cache(plans_made):
     lengths = [10, 64]
     topk_indices = window_indices(lengths, topk, blocks * block, g).view(num_decodes, s_q, topk).to(DEV)
     recorder = Recorder()
-    try:
-        outs = [vllm_fp8_flash_mla_kernel(recorder, q, c, topk_indices, kernel_metadata, 64, 576 ** -0.5)
-                for c in caches]
-    except ValueError as e:
-        if "does not support" not in str(e):
-            pytest.fail(f"a ValueError other than the V3.2 layout's refusal: {e}")
-        raise
+    outs = [vllm_fp8_flash_mla_kernel(recorder, q, c, topk_indices, kernel_metadata, 64, 576 ** -0.5)
+            for c in caches]
     check_calls(recorder)
     for (o, l), (_, (out, lse)) in zip(outs, recorder.calls):
         assert torch.equal(o, out[:, :, :heads]) and torch.equal(l, lse[:, :heads])
@@ -361,19 +351,20 @@ def test_vllms_sparse_backend_decode_on_the_v32_cache(plans_made):
 
 # --- FlashMLA's own decode test ---------------------------------------------------------------
 
-def test_flashmlas_own_decode_test_call():
+@pytest.mark.parametrize("d_qk", [512, 576])
+def test_flashmlas_own_decode_test_call(d_qk):
     """FlashMLA's decode test (deepseek-ai/FlashMLA, tests/lib.py, run_flash_mla_decode, as
     tests/test_flash_mla_sparse_decoding.py's test_flash_mla calls it, at
     9241ae3ef9bac614dd25e45e507e089f888280e0): all sixteen arguments positional, one metadata
     object from get_mla_metadata() per test case, filled by the first call and reused by the
-    timed ones; by keyword too. Every call matches the reference, and sparse_decode bit for
-    bit."""
+    timed ones; by keyword too; on both caches (V3.2's: q 576 wide, the output 512). Every call
+    matches the reference, and sparse_decode bit for bit."""
     case = make_case(b=2, s_q=2, h_q=5, topk=40, page=16, extra_topk=24, extra_page=8, lengths=True, seed=5,
-                     device=DEV)
+                     device=DEV, d_qk=d_qk)
     recorder = Recorder()
     meta, _ = recorder.get_mla_metadata()
     assert not meta.have_initialized
-    sm_scale = 512 ** -0.5
+    sm_scale = d_qk ** -0.5
     positional = (case["q"], case["k_cache"], None, None, 512, meta, None, sm_scale, False, True, case["indices"],
                   case["attn_sink"], case["extra_k_cache"], case["extra_indices"], case["topk_length"],
                   case["extra_topk_length"])

@@ -10,8 +10,9 @@ import json
 import pathlib
 
 import pytest
+import torch
 
-from mla import configs, dispatch
+from mla import configs, dispatch, layout
 from mla.configs import GLUON_FORMS
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "launch_choices.json"
@@ -87,3 +88,33 @@ def test_num_splits_is_plain_integer_arithmetic(b, s_q, h_q, total, block_h, blo
              + Fraction(s, 100) for s in range(1, tiles + 1)}
     want = min(costs, key=lambda s: (costs[s], s))
     assert dispatch.num_splits(b, s_q, h_q, total, block_h, block_n, dv, sms) == want
+
+
+def test_v32_calls_run_the_tl_dot_kernel_where_model1_calls_run_the_gluon_kernel():
+    """The Gluon kernel reads the MODEL1 cache only (dispatch.GLUON_LAYOUTS): on every case of
+    the fixture, on a Hopper GPU that runs Gluon too, a V3.2 call gets exactly the pick of a GPU
+    without Gluon (the tl.dot kernel, its config and form, and its schedule), and the caches'
+    Gluon copy width is 0."""
+    from mla.layout import V32
+
+    assert dispatch.GLUON_LAYOUTS == (layout.MODEL1,)
+    gluon_picked = 0
+    for case, _want in _rows():
+        table = configs.table_for(case["gpu"], "3.6", case["arch"])[1]
+        args = (case["sms"], case["b"], case["s_q"], case["h_q"], case["topk"], case["extra_topk"],
+                16 if case["aligned"] else 0)
+        model1 = dispatch.decide(table, True, *args)
+        v32 = dispatch.decide(table, True, *args, layout=V32)
+        assert v32 == dispatch.decide(table, False, *args), case
+        assert v32[0].kernel == "tl_dot", case
+        gluon_picked += model1[0].kernel == "gluon"
+    assert gluon_picked > 100          # the cases where the MODEL1 call runs Gluon are many
+    cache = layout.quantize_kv(torch.zeros(2, 64, 576, dtype=torch.bfloat16))
+    assert dispatch.gluon_align(cache) == 0 and dispatch.gluon_align(cache, cache) == 0
+
+
+def test_a_forced_gluon_config_is_refused_for_v32_by_name():
+    from mla.layout import V32
+
+    with pytest.raises(ValueError, match="^config: the Gluon kernel reads the MODEL1 cache only"):
+        dispatch.plan_launch(torch.device("cpu"), 1, 1, 64, 2048, 0, 0, config=configs.GluonConfig(), layout=V32)

@@ -23,7 +23,14 @@ SHAPES = {
     "V4-TP8 b8": dict(b=8, s_q=1, h_q=8, topk=128, page=256, extra_topk=512, extra_page=64, lengths=True),
     "odd P61 h20": dict(b=3, s_q=3, h_q=20, topk=100, page=61, extra_topk=77, extra_page=13, lengths=True),
     "h128": dict(b=2, s_q=1, h_q=128, topk=300, page=64, empty_query=True),
+    # DeepSeek-V3.2's cache (the tl.dot kernel on every GPU)
+    "V3.2 b4 h64": dict(b=4, s_q=1, h_q=64, topk=2048, page=64, d_qk=576),
+    "V3.2 s_q2 h128 lengths extra": dict(b=3, s_q=2, h_q=128, topk=2048, page=64, extra_topk=128, extra_page=2,
+                                         lengths=True, d_qk=576),
+    "V3.2 odd P61 h20": dict(b=3, s_q=3, h_q=20, topk=100, page=61, empty_query=True, d_qk=576),
 }
+#: the shapes the Gluon kernel reads (MODEL1's cache)
+GLUON_SHAPES = [n for n, s in SHAPES.items() if s.get("d_qk", 512) == 512]
 
 
 @pytest.mark.parametrize("impl", ["simt", "mma"])
@@ -79,7 +86,7 @@ def test_the_portable_gluon_kernel_matches_the_reference(isa, programs, name):
 
 @pytest.mark.parametrize("variant", list(GLUON_FORMS))
 @pytest.mark.parametrize("programs", [None, 1, 7])
-@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("name", GLUON_SHAPES)
 def test_gluon_kernel_on_gpu(name, programs, variant):
     """The sm_90 Gluon kernel's four forms (mla.configs.GLUON_FORMS), each forced on every
     shape (the launch rule picks heads as M for h_q > 16 on grids that fill the GPU, tokens as M
@@ -167,7 +174,7 @@ def test_a_planned_call_is_captured_in_a_cuda_graph_and_replayed_over_new_indice
     assert out_ok.ok and lse_ok.ok, (str(out_ok), str(lse_ok))
 
 
-@pytest.mark.parametrize("name", ["DSA b4", "V4-CSA b8"])
+@pytest.mark.parametrize("name", ["DSA b4", "V4-CSA b8", "V3.2 b4 h64"])
 def test_flashmlas_call_on_mla_equals_sparse_decode(name):
     case = make_case(**SHAPES[name], device="cuda", seed=9)
     meta, _ = mla_flash_mla.get_mla_metadata()
@@ -270,6 +277,25 @@ def test_flashmla_itself_and_mla_flash_mla_agree_with_the_reference_at_the_bench
         out, lse = flashmla_call(module, case)
         assert out.shape == case["q"].shape and out.dtype == torch.bfloat16, module.__name__
         assert lse.shape == (case["q"].shape[0], case["q"].shape[2], case["q"].shape[1]), module.__name__
+        out_ok, lse_ok = mla.validate.check_against_reference(out, lse, *ref)
+        assert out_ok.ok and lse_ok.ok, (module.__name__, str(out_ok), str(lse_ok))
+
+
+@pytest.mark.parametrize("b,s_q,h_q", [(4, 1, 64), (8, 2, 128), (64, 2, 64)])
+def test_flashmla_itself_and_mla_flash_mla_agree_with_the_reference_on_v32(b, s_q, h_q):
+    """DeepSeek-V3.2's cache at FlashMLA's V3.2 shapes (top-k 2048 at P 64, a sink), where
+    FlashMLA's extension imports: its call and mla.flash_mla's return the 512-wide output and
+    both pass the contract's check against the float64 reference. Invalid indices are -1 only
+    and neither lengths nor an extra cache are given: FlashMLA's sm_90 V3.2 kernel takes no
+    other (it ignores topk_length and refuses an extra cache)."""
+    flashmla = pytest.importorskip("flash_mla", reason="DeepSeek's FlashMLA extension is not built here")
+    case = make_case(b=b, s_q=s_q, h_q=h_q, topk=2048, page=64, invalid_frac=0.0, device="cuda", seed=13, d_qk=576)
+    case["indices"][0, 0, ::7] = -1
+    ref = mla.sparse_decode_reference(**case, out_dtype=torch.float64)
+    for module in (flashmla, mla_flash_mla):
+        out, lse = flashmla_call(module, case)
+        assert out.shape == (b, s_q, h_q, 512) and out.dtype == torch.bfloat16, module.__name__
+        assert lse.shape == (b, h_q, s_q), module.__name__
         out_ok, lse_ok = mla.validate.check_against_reference(out, lse, *ref)
         assert out_ok.ok and lse_ok.ok, (module.__name__, str(out_ok), str(lse_ok))
 

@@ -21,6 +21,12 @@ CASES = {
                                 empty_query=True),
     "h1 topk1 P1": dict(b=2, s_q=1, h_q=1, topk=1, page=1, num_blocks=3),
     "h20 odd": dict(b=1, s_q=3, h_q=20, topk=17, page=7, sink=False),
+    # DeepSeek-V3.2's cache (q 576 wide, 656-byte tokens)
+    "V3.2 plain": dict(b=2, s_q=1, h_q=4, topk=40, page=16, d_qk=576),
+    "V3.2 extra+lengths+empty": dict(b=2, s_q=2, h_q=3, topk=33, page=61, extra_topk=20, extra_page=13,
+                                     lengths=True, empty_query=True, d_qk=576),
+    "V3.2 h1 topk1 P1": dict(b=2, s_q=1, h_q=1, topk=1, page=1, num_blocks=3, d_qk=576),
+    "V3.2 h20 odd strided": dict(b=2, s_q=3, h_q=20, topk=17, page=7, sink=False, strided=True, d_qk=576),
 }
 
 
@@ -42,9 +48,11 @@ def forced(config=None, programs=None):
     return fn
 
 
+@pytest.mark.parametrize("d_qk", [512, 576], ids=["MODEL1", "V3.2"])
 @pytest.mark.parametrize("programs", [1, 2, 5])
-def test_mma_split_k_combine_matches_reference(programs, device):
-    case = make_case(b=1, s_q=1, h_q=5, topk=70, page=16, extra_topk=30, extra_page=8, device=device, seed=7)
+def test_mma_split_k_combine_matches_reference(programs, d_qk, device):
+    case = make_case(b=1, s_q=1, h_q=5, topk=70, page=16, extra_topk=30, extra_page=8, device=device, seed=7,
+                     d_qk=d_qk)
     out_ok, lse_ok = run_case(forced(programs=programs), case)
     assert out_ok.ok and lse_ok.ok, f"{out_ok} | {lse_ok}"
 
@@ -67,12 +75,13 @@ def _tl_config(h_q, device, **fields):
     return dataclasses.replace(dispatch.tl_dot_config(torch.device(device), h_q), **fields)
 
 
+@pytest.mark.parametrize("d_qk", [512, 576], ids=["MODEL1", "V3.2"])
 @pytest.mark.parametrize("dv_halves", [1, 2])
-def test_mma_output_halves_match_reference(dv_halves, device):
+def test_mma_output_halves_match_reference(dv_halves, d_qk, device):
     """dv_halves=2 (two programs per head block, 256 output columns each), with and without
     split queries, on a case with both caches, lengths and an empty query."""
     case = make_case(b=2, s_q=2, h_q=20, topk=45, page=13, extra_topk=19, extra_page=7, lengths=True,
-                     empty_query=True, device=device, seed=11)
+                     empty_query=True, device=device, seed=11, d_qk=d_qk)
     cfg = _tl_config(20, device, dv_halves=dv_halves, **({"num_warps": 4} if dv_halves == 2 else {}))
     for programs in (1, 3):
         out_ok, lse_ok = run_case(forced(cfg, programs), case)

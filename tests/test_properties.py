@@ -23,8 +23,9 @@ SETTINGS = settings(max_examples=20, deadline=None, derandomize=True, database=N
 
 @st.composite
 def small_specs(draw):
-    """A tiny case: any h_q, P, topk, s_q, an extra cache with its own P, lengths, sinks with
-    +-inf, invalid indices of every kind, a query with nothing valid, a peaked softmax."""
+    """A tiny case: either layout (MODEL1 or V3.2), any h_q, P, topk, s_q, an extra cache with its
+    own P, lengths, sinks with +-inf, invalid indices of every kind, a query with nothing valid, a
+    peaked softmax."""
     h_q = draw(st.sampled_from([1, 2, 3, 5, 8, 17]))
     b = draw(st.integers(1, 2 if h_q <= 8 else 1))
     s_q = draw(st.integers(1, 3 if h_q <= 5 else (2 if h_q <= 8 else 1)))     # <= 24 (query, head) programs
@@ -37,7 +38,7 @@ def small_specs(draw):
         lengths=draw(st.booleans()), sink=sink != "none", sink_inf=sink == "inf",
         invalid_frac=draw(st.sampled_from([0.0, 0.1, 0.5, 1.0])), empty_query=draw(st.booleans()),
         softmax_scale=draw(st.sampled_from([None, 0.02, 0.3])), q_scale=draw(st.sampled_from([1.0, 6.0])),
-        seed=draw(st.integers(0, 2 ** 16)))
+        seed=draw(st.integers(0, 2 ** 16)), d_qk=draw(st.sampled_from([512, 576])))
 
 
 # a +inf sink makes exp(sink - lse) overflow to inf on purpose (the factor is then 0); the
@@ -80,6 +81,21 @@ def test_a_one_page_cache_without_its_padding_is_poisoned_and_cloned():
     assert (poisoned[:448] == 0x7F).all() and (poisoned[448:576] == 0xFF).all() and not torch.equal(poisoned, before)
     copy = _clone_cache(cache)
     assert copy.stride() == cache.stride() and torch.equal(copy.view(torch.uint8), cache.view(torch.uint8))
+
+
+def test_a_v32_cache_is_poisoned_part_by_part():
+    """V3.2's tokens lie together: an unreferenced token's nope bytes become 0x7F (e4m3 NaN), its
+    float32 scales and its bf16 rope 0xFF (NaN), the page's spare token (its stride padding)
+    0x7F; a referenced token keeps its bytes."""
+    cache = mla.quantize_kv(torch.randn(2, 2, 576).bfloat16())          # page stride (2+1)*656 = 1968
+    raw = torch.as_strided(cache.view(torch.uint8), (2 * 1968,), (1,))
+    kept = raw[1968 + 656: 1968 + 1312].clone()                          # token 3: block 1, offset 1
+    poison_unreferenced(cache, torch.tensor([[[3, -1, 4]]]))
+    for at in (0, 656, 1968):                                            # tokens 0, 1, 2
+        assert (raw[at: at + 512] == 0x7F).all() and (raw[at + 512: at + 656] == 0xFF).all()
+    assert torch.equal(raw[1968 + 656: 1968 + 1312], kept)
+    assert (raw[1312:1968] == 0x7F).all() and (raw[1968 + 1312:] == 0x7F).all()
+    assert bool(mla.dequantize_kv(cache)[0].isnan().all(-1).all())
 
 
 def test_every_broken_variant_is_caught_and_the_correct_one_passes():
@@ -176,5 +192,10 @@ def test_case_sets():
             assert {getattr(c, axis) for c in odd} >= set(values), axis
     bench = mv.benchmark_cases(pool_bytes=1e8)
     assert len(bench) == 12 and all(c.num_blocks * c.page * 584 <= 1.01e8 for c in bench)
+    v32 = mv.v32_cases(pool_bytes=1e8)
+    assert len(v32) == 10 and {c.d_qk for c in v32} == {576} and {c.h_q for c in v32} == {64, 128}
+    assert {(c.topk, c.page) for c in v32} == {(2048, 64)} and {c.s_q for c in v32} == {1, 2}
+    assert min(c.b for c in v32) == 1 and max(c.b for c in v32) == 64
+    assert all(c.num_blocks * 65 * 656 <= 1.01e8 for c in v32)          # pages of (64+1)*656 bytes
     grid = mv.cases({"h_q": [1, 64], "page": [7, 64]}, topk=40)
     assert len(grid) == 4 and {(c.h_q, c.page) for c in grid} == {(1, 7), (1, 64), (64, 7), (64, 64)}

@@ -17,10 +17,16 @@ from mla.validate import check_against_reference, make_case, run_case
 from conftest import DEVICE as DEV, pool_views
 
 
-@pytest.fixture
-def case():
+@pytest.fixture(params=[512, 576], ids=["MODEL1", "V3.2"])
+def case(request):
     return make_case(b=2, s_q=2, h_q=5, topk=40, page=16, extra_topk=24, extra_page=8, lengths=True, seed=5,
-                     device=DEV)
+                     device=DEV, d_qk=request.param)
+
+
+def _other_layout_cache(case):
+    """A cache of the layout that q's head dim does not name."""
+    width = 576 if case["q"].shape[-1] == 512 else 512
+    return layout.quantize_kv(torch.zeros(4, 16, width, dtype=torch.bfloat16, device=DEV))
 
 
 # --- plan once, call cheaply --------------------------------------------------------------------
@@ -44,8 +50,8 @@ def test_a_planned_call_equals_an_unplanned_one_and_fills_out_buffers(case):
     (lambda c: dict(c, indices=c["indices"][..., :30]), "indices"),
     (lambda c: dict(c, attn_sink=None), "attn_sink"),
     (lambda c: dict(c, softmax_scale=0.1), "softmax_scale"),
-    (lambda c: dict(c, k_cache=layout.quantize_kv(torch.zeros(4, 32, 512, dtype=torch.bfloat16, device=DEV))),
-     "k_cache"),
+    (lambda c: dict(c, k_cache=layout.quantize_kv(torch.zeros(4, 32, c["q"].shape[-1], dtype=torch.bfloat16,
+                                                               device=DEV))), "k_cache"),
     (lambda c: dict(c, topk_length=None), "topk_length"),
     (lambda c: dict(c, extra_indices=c["extra_indices"].long()), "extra_indices"),
 ])
@@ -170,10 +176,18 @@ def test_the_host_cost_benchmark_prints_both_figures():
 # --- the cache writer -----------------------------------------------------------------------
 
 
-def _latents(n, seed=0):
+def _latents(n, seed=0, width=512):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, 512, generator=g)
+    return (torch.randn(n, width, generator=g)
             * torch.exp2(torch.randint(-6, 6, (n, 1), generator=g).float())).bfloat16().to(DEV)
+
+
+#: the two layouts, by the width of their latents
+WIDTHS = pytest.mark.parametrize("width", [512, 576], ids=["MODEL1", "V3.2"])
+
+
+def _layout(width):
+    return layout.MODEL1 if width == 512 else layout.V32
 
 
 def test_the_launch_rule_predicts_the_kernels_a_batch_sweep_compiled_on_the_h200():
@@ -190,34 +204,39 @@ def test_a_combine_form_is_counted_once_per_process():
     assert bench.predicted_compiles(variants) == {"A": 3 + 2, "B": 2, "C": 1 + 1}
 
 
+@WIDTHS
 @pytest.mark.parametrize("page", [1, 7, 61, 64])
-def test_write_kv_writes_the_bytes_quantize_kv_writes(page):
+def test_write_kv_writes_the_bytes_quantize_kv_writes(page, width):
     nb = 3
-    kv = _latents(nb * page, seed=page)
-    cache = layout.empty_cache(nb, page, device=DEV, fill=0)
+    kv = _latents(nb * page, seed=page, width=width)
+    cache = layout.empty_cache(nb, page, device=DEV, fill=0, layout=_layout(width))
     mla.write_kv(kv, cache, torch.randperm(nb * page).int().sort().values.to(DEV))
-    want = mla.quantize_kv(kv.view(nb, page, 512))
+    want = mla.quantize_kv(kv.view(nb, page, width))
     assert torch.equal(layout.cache_bytes(cache), layout.cache_bytes(want))
 
 
 def _slot_bytes(cache, slots):
-    """Every byte offset (from the cache's first page) of these slots' data and scale rows."""
+    """Every byte offset (from the cache's first page) of these slots' tokens: MODEL1's data and
+    scale rows (576 bytes at i*576, 8 at P*576 + i*8), V3.2's 656 bytes at i*656."""
     p, ps = cache.shape[1], cache.stride(0)
     blk, off = slots // p, slots % p
-    data = (blk * ps + off * layout.DATA_BYTES)[:, None] + torch.arange(layout.DATA_BYTES)
-    scale = (blk * ps + p * layout.DATA_BYTES + off * layout.SCALE_BYTES)[:, None] + torch.arange(layout.SCALE_BYTES)
+    if cache.shape[-1] == 656:
+        return ((blk * ps + off * 656)[:, None] + torch.arange(656)).flatten()
+    data = (blk * ps + off * 576)[:, None] + torch.arange(576)
+    scale = (blk * ps + p * 576 + off * 8)[:, None] + torch.arange(8)
     return torch.cat([data.flatten(), scale.flatten()])
 
 
-def test_write_kv_touches_only_its_slots_in_a_pooled_view_and_skips_invalid_slots():
+@WIDTHS
+def test_write_kv_touches_only_its_slots_in_a_pooled_view_and_skips_invalid_slots(width):
     """A cache that is a view into a larger pool (pages 2..5 of 8, page size 13), a row per slot
     of a shuffled subset, some slots invalid: the valid slots hold quantize_kv's bytes for their
     rows, and every other byte of the pool is what it was."""
-    pool = layout.empty_cache(8, 13, device=DEV, fill=0xAB)
+    pool = layout.empty_cache(8, 13, device=DEV, fill=0xAB, layout=_layout(width))
     cache = pool[2:6]
     n_tokens = 4 * 13
     slots = torch.tensor([5, 0, 51, -1, 17, n_tokens, 2 ** 31 - 1, 33, -(2 ** 31), 12], dtype=torch.int64, device=DEV)
-    kv = _latents(len(slots), seed=1)
+    kv = _latents(len(slots), seed=1, width=width)
     before = layout.cache_bytes(pool).clone().cpu()
     mla.write_kv(kv, cache, slots)
     after = layout.cache_bytes(pool).cpu()
@@ -229,9 +248,9 @@ def test_write_kv_touches_only_its_slots_in_a_pooled_view_and_skips_invalid_slot
     changed[written] = True
     assert torch.equal(after[~changed], before[~changed])
     for row, slot in zip(kv[valid.to(kv.device)], slots[valid].tolist()):
-        want = layout.cache_bytes(mla.quantize_kv(row.view(1, 1, 512))).cpu()
+        want = layout.cache_bytes(mla.quantize_kv(row.view(1, 1, width))).cpu()     # one token: P = 1
         got = after[base + _slot_bytes(cache, torch.tensor([slot]))]
-        assert torch.equal(got, torch.cat([want[:576], want[576:584]])), slot
+        assert torch.equal(got, want), slot
 
 
 def test_write_kv_takes_int32_slots_three_dim_rows_and_nothing():
@@ -249,6 +268,8 @@ def test_write_kv_takes_int32_slots_three_dim_rows_and_nothing():
     (dict(kv=torch.zeros(4, 448, dtype=torch.bfloat16)), "kv"),
     (dict(kv="rows"), "kv"),
     (dict(k_cache=torch.zeros(2, 8, 1, 576, dtype=torch.uint8)), "k_cache"),
+    (dict(k_cache=layout.empty_cache(2, 8, fill=0, layout=layout.V32)), "k_cache"),      # 512-wide rows
+    (dict(kv=torch.zeros(4, 576, dtype=torch.bfloat16)), "k_cache"),                     # a MODEL1 cache
     (dict(slot_mapping=torch.zeros(4, dtype=torch.float32)), "slot_mapping"),
     (dict(slot_mapping=torch.zeros(3, dtype=torch.int32)), "slot_mapping"),
     (dict(slot_mapping=torch.zeros(4, 1, dtype=torch.int32)), "slot_mapping"),
@@ -265,27 +286,29 @@ def test_write_kv_refuses_bad_arguments_by_name(kw, arg):
 # --- torch ops and torch.compile -------------------------------------------------------------
 
 
-def test_the_custom_ops_are_registered_and_their_fakes_fit():
-    case = make_case(b=1, s_q=1, h_q=4, topk=8, page=8, seed=1, device=DEV)
+@WIDTHS
+def test_the_custom_ops_are_registered_and_their_fakes_fit(width):
+    case = make_case(b=1, s_q=1, h_q=4, topk=8, page=8, seed=1, device=DEV, d_qk=width)
     torch.library.opcheck(torch.ops.mla.sparse_decode.default,
                           (case["q"], case["k_cache"].view(torch.uint8), case["indices"]),
                           dict(attn_sink=case["attn_sink"]),
                           test_utils=("test_schema", "test_faketensor"))
-    kv = _latents(4, seed=3)
+    kv = _latents(4, seed=3, width=width)
     torch.library.opcheck(torch.ops.mla.write_kv.default,
-                          (kv, layout.empty_cache(2, 8, device=DEV, fill=0).view(torch.uint8),
+                          (kv, layout.empty_cache(2, 8, device=DEV, fill=0, layout=_layout(width)).view(torch.uint8),
                            torch.arange(4, dtype=torch.int32, device=DEV)),
                           test_utils=("test_schema", "test_faketensor"))
 
 
-def test_a_compiled_step_writes_and_decodes_without_a_graph_break():
+@WIDTHS
+def test_a_compiled_step_writes_and_decodes_without_a_graph_break(width):
     """One decode step as a serving loop runs it: write the step's new tokens, then attend. With
     fullgraph=True a graph break is an error; aot_eager runs the traced graph on the CPU."""
     nb, page = 4, 16
-    cache = layout.empty_cache(nb, page, device=DEV, fill=0)
-    kv = _latents(nb * page, seed=4)
+    cache = layout.empty_cache(nb, page, device=DEV, fill=0, layout=_layout(width))
+    kv = _latents(nb * page, seed=4, width=width)
     slots = torch.arange(nb * page, dtype=torch.int64, device=DEV)
-    q = torch.randn(2, 1, 4, 512).bfloat16().to(DEV)
+    q = torch.randn(2, 1, 4, width).bfloat16().to(DEV)
     idx = torch.randint(0, nb * page, (2, 1, 24), dtype=torch.int32).to(DEV)
     sink = torch.randn(4).to(DEV)
 
@@ -295,10 +318,10 @@ def test_a_compiled_step_writes_and_decodes_without_a_graph_break():
 
     torch._dynamo.reset()
     out, lse = torch.compile(step, fullgraph=True, backend="aot_eager")(q, cache, idx, kv, slots, sink)
-    ref = mla.quantize_kv(kv.view(nb, page, 512))
+    ref = mla.quantize_kv(kv.view(nb, page, width))
     assert torch.equal(layout.cache_bytes(cache), layout.cache_bytes(ref))
     want = mla.sparse_decode(q, ref, idx, attn_sink=sink)
-    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    assert out.shape == (2, 1, 4, 512) and torch.equal(out, want[0]) and torch.equal(lse, want[1])
 
 
 # --- FlashMLA's own call ---------------------------------------------------------------------
@@ -401,13 +424,13 @@ def test_flashmla_metadata_mismatches_are_value_errors(case):
     (dict(head_dim_v=448), "head_dim_v"),
     (dict(block_table=[[0, 1], [2, 3]]), "block_table"),         # ignored with indices, but not a tensor
     (dict(cache_seqlens=64), "cache_seqlens"),
-    (dict(q=torch.zeros(2, 2, 5, 576, dtype=torch.bfloat16)), "q"),
-    (dict(k_cache=torch.zeros(4, 16, 1, 656, dtype=torch.float8_e4m3fn)), "k_cache"),
+    (dict(q=torch.zeros(2, 2, 5, 448, dtype=torch.bfloat16)), "q"),           # neither 512 nor 576
+    (_other_layout_cache, "k_cache"),                                          # the layout q does not name
 ])
 def test_flashmla_paths_mla_does_not_cover_are_refused_by_name(case, kw, arg):
     args = dict(q=case["q"], k_cache=case["k_cache"], block_table=None, cache_seqlens=None, head_dim_v=512,
                 tile_scheduler_metadata=flash_mla.get_mla_metadata()[0], is_fp8_kvcache=True, indices=case["indices"])
-    args.update(kw)
+    args.update(dict(k_cache=kw(case)) if callable(kw) else kw)
     with pytest.raises(ValueError, match=f"^{arg}:"):
         flash_mla.flash_mla_with_kvcache(**args)
 

@@ -7,6 +7,13 @@ A token tile is held as ``[BLOCK_N, 8, 64]``: tile ``t < 7`` of the last two dim
 last two dims are exactly the 512 columns of the latent (448 nope then 64 rope), so the same
 tensor serves as K for Q.K^T and as V for P.V.
 
+DeepSeek-V3.2's layout (the helpers' ``V32`` constexpr, :data:`mla.layout.V32`): q and k are
+576 wide, V is the first 512 columns, all nope. The same ``[BLOCK_N, 8, 64]`` tile holds those
+512 columns (chunk ``t`` is half of 128-value tile ``t // 2``, FP8 times that tile's float32
+scale), K and V as before, and the 64 rope columns are a second, ``[BLOCK_N, 64]`` tile
+(:func:`load_rope`) that only Q.K^T reads. A token's bytes lie together (an array of
+structures), so its scales are found from its row, not from a scale row of the page.
+
 The scalar and elementwise helpers here are plain ``@triton.jit`` functions that the Gluon
 kernel (:mod:`mla.kernels.gluon_sm90`) calls too: they take their layouts from their arguments.
 """
@@ -17,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .. import _runtime
-from ..layout import D_QK, DATA_BYTES, N_TILES, NOPE_BYTES, SCALE_BYTES
+from ..layout import D_QK, DATA_BYTES, N_TILES, NOPE_BYTES, SCALE_BYTES, V32 as V32_LAYOUT
 
 #: Whether the kernels run in Triton's interpreter (a constexpr: the compiled kernels do not see it).
 _INTERPRET = tl.constexpr(_runtime.INTERPRET)
@@ -28,6 +35,15 @@ NOPE = tl.constexpr(NOPE_BYTES)      #: 448 bytes: its FP8 nope values; the bf16
 SROW = tl.constexpr(SCALE_BYTES)     #: 8 bytes: a token's scale row
 NOPE_TILES = tl.constexpr(N_TILES)   #: 7 nope tiles of 64; tile 7 of a token tile is the rope
 DIM = tl.constexpr(D_QK)             #: 512: the width of q, k, v and out
+
+#: V3.2's (:data:`mla.layout.V32`): a token is one 656-byte row of FP8 nope, scales and rope
+V32_ROW = tl.constexpr(V32_LAYOUT.row_bytes)          #: 656 bytes from one token to the next
+V32_SCALES = tl.constexpr(V32_LAYOUT.scales_at)       #: 512: its 4 float32 scales follow the nope
+V32_ROPE = tl.constexpr(V32_LAYOUT.rope_at)           #: 528: its 64 bf16 rope values
+V32_TILES = tl.constexpr(V32_LAYOUT.n_tiles)          #: 4 nope tiles ...
+V32_TILE = tl.constexpr(V32_LAYOUT.tile)              #: ... of 128 values, one scale each
+V32_QK = tl.constexpr(V32_LAYOUT.d_qk)                #: 576: the width of q and k
+ROPE_W = tl.constexpr(V32_LAYOUT.d_rope)              #: 64 rope columns (both layouts)
 
 #: log2(e), for a softmax scale in the exp2 domain (host side: the kernels take the product).
 LOG2E = 1.4426950408889634
@@ -72,10 +88,11 @@ def ue8m0_to_f32(bits):
 
 
 @triton.jit
-def token_rows(idx_row_ptr, offs, n, n_tokens, P, page_stride):
+def token_rows(idx_row_ptr, offs, n, n_tokens, P, page_stride, V32: tl.constexpr = False):
     """Load indices at ``offs`` (positions < n), and return (valid mask, byte offset of each
-    token's data row, byte offset of its scale row). Invalid tokens point at byte 0 and are
-    never read (the loads are masked with ``valid``)."""
+    token's data row, byte offset of its scales: MODEL1's scale row in the page's scale rows,
+    V3.2's inside the token's row). Invalid tokens point at byte 0 and are never read (the loads
+    are masked with ``valid``)."""
     inb = offs < n
     idx = tl.load(idx_row_ptr + offs, mask=inb, other=-1)
     valid = inb & (idx >= 0) & (idx < n_tokens)
@@ -83,7 +100,11 @@ def token_rows(idx_row_ptr, offs, n, n_tokens, P, page_stride):
     blk = idx64 // P
     off = idx64 - blk * P
     page = blk * page_stride
-    return valid, page + off * DATA, page + P * DATA + off * SROW
+    if V32:
+        row = page + off * V32_ROW
+        return valid, row, row + V32_SCALES
+    else:
+        return valid, page + off * DATA, page + P * DATA + off * SROW
 
 
 @triton.jit
@@ -312,49 +333,76 @@ def query_rows(q, s_q, q_sb, q_ss, idx_sb, idx_ss, eidx_sb, eidx_ss):
 
 
 @triton.jit
-def load_raw(cache_ptr, row, srow, valid, T0: tl.constexpr, NT: tl.constexpr):
+def load_raw(cache_ptr, row, srow, valid, T0: tl.constexpr, NT: tl.constexpr, V32: tl.constexpr = False):
     """Issue the loads of tiles ``T0 .. T0+NT-1`` of a token tile, without decoding them:
-    FP8 bytes ``[BLOCK_N, NT, 64]``, UE8M0 bytes ``[BLOCK_N, NT]`` and, when tile 7 is among
-    them, the bf16 rope ``[BLOCK_N, 1, 64]``. Split from :func:`dequant` so that a kernel can
-    issue the next tile's loads before it decodes and multiplies the current one."""
+    FP8 bytes ``[BLOCK_N, NT, 64]``, the scales ``[BLOCK_N, NT]`` (MODEL1: UE8M0 bytes; V3.2:
+    the float32 of each chunk's 128-value tile) and, when MODEL1's tile 7 is among them, the bf16
+    rope ``[BLOCK_N, 1, 64]`` (V3.2's rope is :func:`load_rope`'s). Split from :func:`dequant`
+    so that a kernel can issue the next tile's loads before it decodes and multiplies the
+    current one."""
     t = T0 + tl.arange(0, NT)
     j = tl.arange(0, 64)
-    is_nope = t < NOPE_TILES
-    nb = tl.load(cache_ptr + row[:, None, None] + (t * 64)[None, :, None] + j[None, None, :],
-                 mask=valid[:, None, None] & is_nope[None, :, None], other=0)
-    sb = tl.load(cache_ptr + srow[:, None] + t[None, :], mask=valid[:, None] & is_nope[None, :], other=0)
-    if T0 + NT > NOPE_TILES:
-        rope_ptr = (cache_ptr + row + NOPE).to(tl.pointer_type(tl.bfloat16))
-        rope = tl.load(rope_ptr[:, None, None] + j[None, None, :], mask=valid[:, None, None], other=0.0)
-    else:
+    if V32:
+        nb = tl.load(cache_ptr + row[:, None, None] + (t * 64)[None, :, None] + j[None, None, :],
+                     mask=valid[:, None, None], other=0)
+        scale_ptr = (cache_ptr + srow).to(tl.pointer_type(tl.float32))
+        sb = tl.load(scale_ptr[:, None] + (t // (V32_TILE // 64))[None, :], mask=valid[:, None], other=0.0)
         rope = tl.zeros([nb.shape[0], 1, 64], tl.bfloat16)
+    else:
+        is_nope = t < NOPE_TILES
+        nb = tl.load(cache_ptr + row[:, None, None] + (t * 64)[None, :, None] + j[None, None, :],
+                     mask=valid[:, None, None] & is_nope[None, :, None], other=0)
+        sb = tl.load(cache_ptr + srow[:, None] + t[None, :], mask=valid[:, None] & is_nope[None, :], other=0)
+        if T0 + NT > NOPE_TILES:
+            rope_ptr = (cache_ptr + row + NOPE).to(tl.pointer_type(tl.bfloat16))
+            rope = tl.load(rope_ptr[:, None, None] + j[None, None, :], mask=valid[:, None, None], other=0.0)
+        else:
+            rope = tl.zeros([nb.shape[0], 1, 64], tl.bfloat16)
     return nb, sb, rope
 
 
 @triton.jit
-def dequant(nb, sb, rope, T0: tl.constexpr, NT: tl.constexpr, FP8_NATIVE: tl.constexpr, OUT: tl.constexpr):
-    """FP8 bytes times their UE8M0 scale (exact), and the rope where tile 7 is, as ``OUT``."""
+def dequant(nb, sb, rope, T0: tl.constexpr, NT: tl.constexpr, FP8_NATIVE: tl.constexpr, OUT: tl.constexpr,
+            V32: tl.constexpr = False):
+    """FP8 bytes times their scale (exact for the power-of-two scales the layouts hold), and
+    MODEL1's rope where its tile 7 is, as ``OUT``."""
     t = T0 + tl.arange(0, NT)
-    scale = ue8m0_to_f32(sb)
+    if V32:
+        scale = sb
+    else:
+        scale = ue8m0_to_f32(sb)
     if FP8_NATIVE:
         v = nb.to(tl.float8e4nv, bitcast=True).to(OUT) * scale[:, :, None].to(OUT)
     else:
         v = (e4m3_to_f32(nb) * scale[:, :, None]).to(OUT)
-    if T0 + NT > NOPE_TILES:
+    if V32:
+        pass
+    elif T0 + NT > NOPE_TILES:
         v = tl.where((t < NOPE_TILES)[None, :, None], v, rope.to(OUT))
     return v
 
 
 @triton.jit
 def load_token_tile(cache_ptr, row, srow, valid, FP8_NATIVE: tl.constexpr, OUT: tl.constexpr,
-                    T0: tl.constexpr = 0, NT: tl.constexpr = 8):
+                    T0: tl.constexpr = 0, NT: tl.constexpr = 8, V32: tl.constexpr = False):
     """Gather and dequantize tiles ``T0 .. T0+NT-1`` of tokens into ``[BLOCK_N, NT, 64]`` of
-    dtype ``OUT`` (tiles 0..6 are nope, tile 7 is rope; 8 tiles are the full 512 columns).
+    dtype ``OUT`` (MODEL1: tiles 0..6 are nope, tile 7 is rope; V3.2: all 8 are nope, the 512
+    columns of V; 8 tiles are the full 512 columns).
 
     ``cache_ptr`` is the cache as uint8. Masked (invalid) tokens come out as exact zeros,
     whatever their bytes hold (0 * NaN is NaN, so a mask on the probabilities is not enough)."""
-    nb, sb, rope = load_raw(cache_ptr, row, srow, valid, T0, NT)
-    return dequant(nb, sb, rope, T0, NT, FP8_NATIVE, OUT)
+    nb, sb, rope = load_raw(cache_ptr, row, srow, valid, T0, NT, V32)
+    return dequant(nb, sb, rope, T0, NT, FP8_NATIVE, OUT, V32)
+
+
+@triton.jit
+def load_rope(cache_ptr, row, valid, OUT: tl.constexpr, V32: tl.constexpr = False):
+    """The 64 bf16 rope values of each token as ``[BLOCK_N, 64]`` of dtype ``OUT``, zeros where
+    invalid: V3.2's second tile, which only Q.K^T reads (MODEL1's rope is tile 7 of
+    :func:`load_token_tile`, in V as well)."""
+    j = tl.arange(0, ROPE_W)
+    rope_ptr = (cache_ptr + row + (V32_ROPE if V32 else NOPE)).to(tl.pointer_type(tl.bfloat16))
+    return tl.load(rope_ptr[:, None] + j[None, :], mask=valid[:, None], other=0.0).to(OUT)
 
 
 @triton.jit

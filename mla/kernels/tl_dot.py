@@ -12,6 +12,10 @@ a split one's partial (o, lse in log2 units), which :mod:`mla.kernels.combine` m
 
 ``DV_HALVES = 2`` is the form for grids too small to fill the GPU: two programs per head block,
 each computing all of S but owning 256 of the output columns, so twice as many SMs share a query.
+
+``V32`` is DeepSeek-V3.2's cache (:data:`mla.layout.V32`): the two halves are then the 512 nope
+columns, K and V as before, and S gets a third ``tl.dot`` of q's 64 rope columns with the
+tokens' rope tile (:func:`mla.kernels.common.load_rope`), which P.V does not read.
 """
 from __future__ import annotations
 
@@ -19,8 +23,8 @@ import triton
 import triton.language as tl
 
 from .. import _runtime
-from .common import (DIM, LN2, finish_softmax, load_token_tile, piece, query_rows, share_bounds, sink_factor,
-                     tile_source, to_bf16, token_rows, write_share_record)
+from .common import (DIM, LN2, ROPE_W, finish_softmax, load_rope, load_token_tile, piece, query_rows, share_bounds,
+                     sink_factor, tile_source, to_bf16, token_rows, write_share_record)
 
 HALF = tl.constexpr(DIM // 2)      #: 256: the columns of one accumulator half
 #: The dots' operand type: fp16 (P rounded to 2**-11; bf16's 2**-8 breaks the tolerance with few
@@ -33,26 +37,30 @@ DO_NOT_SPECIALIZE = ("share", "num_programs")
 
 @triton.jit
 def _tile_rows(ti, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
-               ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N: tl.constexpr, HAS_EXTRA: tl.constexpr):
+               ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N: tl.constexpr, HAS_EXTRA: tl.constexpr,
+               V32: tl.constexpr):
     """Token tile ``ti`` of a query's list (the main cache's ``tiles1`` tiles, then the extra
     cache's): the cache it comes from and, per position, (valid, data row, scale row). The cache
     is picked per tile with scalar selects, so that both caches run through one copy of the loop
     body (a second loop for the extra cache spilled ten times more under Triton 3.6)."""
     cache, idx_row, t, n, n_tokens, P, stride = tile_source(ti, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
                                                             ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, HAS_EXTRA)
-    valid, row, srow = token_rows(idx_row, t * BLOCK_N + tl.arange(0, BLOCK_N), n, n_tokens, P, stride)
+    valid, row, srow = token_rows(idx_row, t * BLOCK_N + tl.arange(0, BLOCK_N), n, n_tokens, P, stride, V32)
     return cache, valid, row, srow
 
 
 @triton.jit
-def _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, valid, sm_scale_log2, DOT: tl.constexpr,
-                 DV_HALVES: tl.constexpr, half):
-    """One tile, heads as M: S = Q.K^T over both halves, the softmax step, O = O*alpha + P.V.
-    With DV_HALVES == 2 P.V runs on this program's half only, into ``acc0``. (The step is
-    :func:`mla.kernels.common.softmax_step` written out: called from here, the same operations
-    come out in another instruction order on some shipped configs.)"""
+def _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, qr, kr, valid, sm_scale_log2, DOT: tl.constexpr,
+                 DV_HALVES: tl.constexpr, half, V32: tl.constexpr):
+    """One tile, heads as M: S = Q.K^T over both halves (and, for V3.2, the rope columns ``qr``
+    and ``kr``), the softmax step, O = O*alpha + P.V. With DV_HALVES == 2 P.V runs on this
+    program's half only, into ``acc0``. (The step is :func:`mla.kernels.common.softmax_step`
+    written out: called from here, the same operations come out in another instruction order on
+    some shipped configs.)"""
     s = tl.dot(q0, tl.trans(k0))
     s = tl.dot(q1, tl.trans(k1), s)
+    if V32:
+        s = tl.dot(qr, tl.trans(kr), s)
     s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))        # [BLOCK_H, BLOCK_N]
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -72,19 +80,24 @@ def _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, valid, sm_scale_log2, DOT
 
 
 @triton.jit
-def _cache_pass(m_i, l_i, acc0, acc1, q0, q1, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
-                ec_stride, ec_P, ec_n, idx_extra, n2, sm_scale_log2, BLOCK_N: tl.constexpr, HAS_EXTRA: tl.constexpr,
-                FP8_NATIVE: tl.constexpr, DOT: tl.constexpr, DV_HALVES: tl.constexpr, half):
+def _cache_pass(m_i, l_i, acc0, acc1, q0, q1, qr, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1,
+                ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, sm_scale_log2, BLOCK_N: tl.constexpr,
+                HAS_EXTRA: tl.constexpr, FP8_NATIVE: tl.constexpr, DOT: tl.constexpr, DV_HALVES: tl.constexpr, half,
+                V32: tl.constexpr):
     """Fold token tiles ``[lo, hi)`` of the query's list (main cache, then extra cache) into the
     running state of BLOCK_H heads. (A function of its own: inlined into the kernel body instead,
     the same loop comes out in another instruction order.)"""
     for ti in range(lo, hi):
         cache, valid, row, srow = _tile_rows(ti, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
-                                             ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA)
-        k0 = tl.reshape(load_token_tile(cache, row, srow, valid, FP8_NATIVE, DOT, 0, 4), [BLOCK_N, HALF])
-        k1 = tl.reshape(load_token_tile(cache, row, srow, valid, FP8_NATIVE, DOT, 4, 4), [BLOCK_N, HALF])
-        m_i, l_i, acc0, acc1 = _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, valid, sm_scale_log2, DOT,
-                                            DV_HALVES, half)
+                                             ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, V32)
+        k0 = tl.reshape(load_token_tile(cache, row, srow, valid, FP8_NATIVE, DOT, 0, 4, V32), [BLOCK_N, HALF])
+        k1 = tl.reshape(load_token_tile(cache, row, srow, valid, FP8_NATIVE, DOT, 4, 4, V32), [BLOCK_N, HALF])
+        if V32:
+            kr = load_rope(cache, row, valid, DOT, V32)
+        else:
+            kr = None
+        m_i, l_i, acc0, acc1 = _online_step(m_i, l_i, acc0, acc1, q0, q1, k0, k1, qr, kr, valid, sm_scale_log2,
+                                            DOT, DV_HALVES, half, V32)
     return m_i, l_i, acc0, acc1
 
 
@@ -134,10 +147,11 @@ def tl_dot_decode_kernel(
     n_q, s_q, h_q, sm_scale_log2, share, num_programs,
     HAS_SINK: tl.constexpr, HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_ELEN: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8_NATIVE: tl.constexpr, DOT: tl.constexpr, DV_HALVES: tl.constexpr = 1,
+    FP8_NATIVE: tl.constexpr, DOT: tl.constexpr, DV_HALVES: tl.constexpr = 1, V32: tl.constexpr = False,
 ):
     """One persistent program per (block of BLOCK_H heads, share of the work list): the pieces of
-    the queries in its share (:func:`mla.kernels.common.share_bounds`), one after another."""
+    the queries in its share (:func:`mla.kernels.common.share_bounds`), one after another. With
+    ``V32`` the cache is V3.2's and q is 576 wide (its strides are q's own)."""
     hb = tl.program_id(0)
     half = 0
     if DV_HALVES == 2:                # program (head block, output half): columns 256*half + [0, 256)
@@ -159,6 +173,10 @@ def tl_dot_decode_kernel(
         qrow = q_ptr + q_off + heads.to(tl.int64) * q_sh
         qa = tl.load(qrow[:, None] + c[None, :], mask=hmask[:, None], other=0.0).to(DOT)
         qb = tl.load(qrow[:, None] + HALF + c[None, :], mask=hmask[:, None], other=0.0).to(DOT)
+        if V32:                                    # q's 64 rope columns, after the 512 nope ones
+            qr = tl.load(qrow[:, None] + DIM + tl.arange(0, ROPE_W)[None, :], mask=hmask[:, None], other=0.0).to(DOT)
+        else:
+            qr = None
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc0 = tl.zeros([BLOCK_H, HALF], tl.float32)
@@ -166,19 +184,19 @@ def tl_dot_decode_kernel(
             acc1 = tl.zeros([1, 1], tl.float32)        # unused: this program's half is acc0
         else:
             acc1 = tl.zeros([BLOCK_H, HALF], tl.float32)
-        m_i, l_i, acc0, acc1 = _cache_pass(m_i, l_i, acc0, acc1, qa, qb, lo, hi, tiles1,
+        m_i, l_i, acc0, acc1 = _cache_pass(m_i, l_i, acc0, acc1, qa, qb, qr, lo, hi, tiles1,
                                            kc_ptr, kc_stride, kc_P, kc_n, idx_ptr + i_off, n1, ec_ptr, ec_stride,
                                            ec_P, ec_n, eidx_ptr + e_off, n2, sm_scale_log2, BLOCK_N, HAS_EXTRA,
-                                           FP8_NATIVE, DOT, DV_HALVES, half)
+                                           FP8_NATIVE, DOT, DV_HALVES, half, V32)
         _store_piece(acc0, acc1, m_i, l_i, heads, hmask, q, split, 2 * p + (q != q0).to(tl.int32), half, out_ptr,
                      lse_ptr, sink_ptr, sink_stride, po_ptr, plse_ptr, s_q, h_q, c, HAS_SINK, DV_HALVES)
         c_q += units
 
 
 def launch_params(h_q: int, programs: int, *, block_h: int, block_n: int, num_warps: int, num_stages: int,
-                  dv_halves: int, fp8_native: bool, dot) -> tuple:
+                  dv_halves: int, fp8_native: bool, dot, v32: bool = False) -> tuple:
     """(grid, constexpr and launch keywords) of the kernel on ``programs`` shares, besides the
     HAS_* flags."""
     grid = ((h_q + block_h - 1) // block_h * dv_halves, programs)
     return grid, dict(BLOCK_H=block_h, BLOCK_N=block_n, FP8_NATIVE=fp8_native, DOT=dot, DV_HALVES=dv_halves,
-                      num_warps=num_warps, num_stages=num_stages)
+                      V32=v32, num_warps=num_warps, num_stages=num_stages)

@@ -29,11 +29,11 @@ What it checks, per case (:func:`make_case`, :class:`CaseSpec`):
 impl, with a tqdm progress bar), :func:`table` renders it with rich, :func:`summary` condenses it.
 Case sets: :func:`quick_cases` (tiny, for the CPU interpreter), :func:`odd_cases` (a pairwise
 covering grid of odd shapes), :func:`schedule_cases` (the flat work list at production sizes), :func:`benchmark_cases` (the SPEC's production shapes over a large
-pool), :func:`cases` (your own grid). ``experiments/broken_decodes.py`` holds deliberately
+pool), :func:`v32_cases` (DeepSeek-V3.2's cache at FlashMLA's V3.2 shapes), :func:`cases` (your own grid). ``experiments/broken_decodes.py`` holds deliberately
 wrong implementations that the harness must catch.
 """
 from .cases import (INVALID_KINDS, ODD_AXES, CaseSpec, benchmark_cases, cases, invalid_values, make_case, odd_cases,
-                    schedule_cases,
+                    schedule_cases, v32_cases,
                     poison_allocator, poison_unreferenced, quick_cases)
 from .compare import (LSE_ABS, LSE_COS, LSE_REL, OUT_ABS, OUT_COS, OUT_REL, Closeness, check_against_reference,
                       compare, cosine_diff)
@@ -43,6 +43,7 @@ from .sweep import (ROW_COLUMNS, Report, check, run_case, summary, sweep, sweep_
 
 __all__ = ["OUT_ABS", "OUT_REL", "LSE_ABS", "LSE_REL", "OUT_COS", "LSE_COS", "Closeness", "cosine_diff", "compare",
            "check_against_reference", "INVALID_KINDS", "invalid_values", "poison_unreferenced", "make_case",
-           "poison_allocator", "run_case", "CaseSpec", "cases", "quick_cases", "odd_cases", "schedule_cases", "benchmark_cases",
+           "poison_allocator", "run_case", "CaseSpec", "cases", "quick_cases", "odd_cases", "schedule_cases",
+           "v32_cases", "benchmark_cases",
            "ODD_AXES", "sweep", "sweep_rows", "check", "summary", "table", "Report", "validate",
            "unreferenced_invariant", "ROW_COLUMNS", "graph_replay_check"]

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from ..bench import random_cache, spec_shapes
-from ..layout import D_QK, DATA_BYTES, NOPE_BYTES, TOKEN_BYTES, page_stride, quantize_kv
+from ..layout import V32, cache_layout, layout_for_head_dim, page_stride, quantize_kv
 
 INVALID_KINDS = ("-1", "int32 min", "int32 max", "just past the end")
 
@@ -28,29 +28,34 @@ def cache_span(cache: torch.Tensor) -> torch.Tensor:
 
 
 def _fill_unreferenced(cache: torch.Tensor, used: torch.Tensor, nope: int, rope: int, scale: int, pad: int) -> None:
+    L = cache_layout(cache)
     nb, p = cache.shape[0], cache.shape[1]
     ps = cache.stride(0)
     span = cache_span(cache)
-    width = ps if span.numel() == nb * ps else p * TOKEN_BYTES      # the last page's padding may be absent
+    width = ps if span.numel() == nb * ps else p * L.token_bytes      # the last page's padding may be absent
     flat = torch.as_strided(span, (nb, width), (ps, 1))
     keep = torch.zeros(nb * p, dtype=torch.bool, device=cache.device)
     u = used.reshape(-1).long()
     keep[u[(u >= 0) & (u < nb * p)]] = True
-    drop = ~keep.view(nb, p)
-    data = flat[:, : p * DATA_BYTES].view(nb, p, DATA_BYTES)
-    scales = flat[:, p * DATA_BYTES: p * TOKEN_BYTES].view(nb, p, TOKEN_BYTES - DATA_BYTES)
-    data[..., :NOPE_BYTES].masked_fill_(drop[..., None], nope)
-    data[..., NOPE_BYTES:].masked_fill_(drop[..., None], rope)
-    scales.masked_fill_(drop[..., None], scale)
-    if width > p * TOKEN_BYTES:
-        flat[:, p * TOKEN_BYTES:] = pad
+    drop = ~keep.view(nb, p)[..., None]
+    rows = flat[:, : p * L.row_bytes].view(nb, p, L.row_bytes)
+    if L.scale_rows_apart:
+        scales = flat[:, p * L.row_bytes: p * L.token_bytes].view(nb, p, L.scale_row_bytes)
+    else:
+        scales = rows[..., L.scales_at: L.scales_at + L.scale_row_bytes]
+    rows[..., :L.d_nope].masked_fill_(drop, nope)
+    rows[..., L.rope_at: L.rope_at + 2 * L.d_rope].masked_fill_(drop, rope)
+    scales.masked_fill_(drop, scale)
+    if width > p * L.token_bytes:
+        flat[:, p * L.token_bytes:] = pad
 
 
 def poison_unreferenced(cache: torch.Tensor, used: torch.Tensor) -> None:
     """Fill, in place, every byte of ``cache`` that no index in ``used`` refers to with NaN bytes:
-    0x7F (e4m3 NaN) in nope, 0xFF in rope (bf16 NaN) and in UE8M0 scales (NaN), and 0x7F in the
-    stride padding. Indices outside the cache are ignored. A kernel that reads, or multiplies by
-    zero, any byte it must not use, then produces NaN."""
+    0x7F (e4m3 NaN) in nope, 0xFF in rope (bf16 NaN) and in the scales (UE8M0 and float32 NaN),
+    and 0x7F in the stride padding (V3.2's: a page's spare token). Indices outside the cache are
+    ignored. A kernel that reads, or multiplies by zero, any byte it must not use, then produces
+    NaN."""
     _fill_unreferenced(cache, used, 0x7F, 0xFF, 0xFF, 0x7F)
 
 
@@ -68,8 +73,10 @@ _DEVICE_GEN_TOKENS = 1 << 18
 
 def make_case(b=2, s_q=1, h_q=4, topk=32, page=16, num_blocks=None, extra_topk=0, extra_page=8,
               lengths=False, sink=True, invalid_frac=0.1, empty_query=False, device="cpu", seed=0,
-              extra_num_blocks=None, sink_inf=True, softmax_scale=None, q_scale=1.0, strided=False) -> dict:
-    """Fresh random inputs for one call: q, caches of quantized N(0, 1) latents, indices with
+              extra_num_blocks=None, sink_inf=True, softmax_scale=None, q_scale=1.0, strided=False,
+              d_qk=512) -> dict:
+    """Fresh random inputs for one call: q, caches of quantized N(0, 1) latents (``d_qk`` 512:
+    MODEL1 caches; 576: V3.2's, :func:`mla.layout.layout_for_head_dim`), indices with
     ``invalid_frac`` of every invalid kind, optional lengths (one of them 0), a sink with +inf
     and -inf entries (``sink_inf``; else all finite), and every unreferenced cache byte NaN.
     ``empty_query`` leaves query (0, 0) with no valid token in either cache. ``q_scale``
@@ -80,15 +87,16 @@ def make_case(b=2, s_q=1, h_q=4, topk=32, page=16, num_blocks=None, extra_topk=0
     device are generated on the device."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     device = torch.device(device)
+    layout = layout_for_head_dim(d_qk, "d_qk")
 
     def cache_and_indices(k, pg, nblk):
         nblk = nblk or max(2, -(-b * s_q * k // pg) + 1)
         n = nblk * pg
         if device.type == "cuda" and n > _DEVICE_GEN_TOKENS:
             gd = torch.Generator(device=device).manual_seed(int(torch.randint(0, 2 ** 31, (1,), generator=g)))
-            cache = random_cache(nblk, pg, device, gd)
+            cache = random_cache(nblk, pg, device, gd, layout=layout)
         else:
-            cache = quantize_kv(torch.randn(nblk, pg, D_QK, generator=g).bfloat16()).to(device)
+            cache = quantize_kv(torch.randn(nblk, pg, d_qk, generator=g).bfloat16()).to(device)
         idx = torch.randint(0, n, (b, s_q, k), generator=g, dtype=torch.int32)
         bad = torch.rand(b, s_q, k, generator=g) < invalid_frac
         kinds = torch.tensor(invalid_values(n), dtype=torch.int32)
@@ -99,7 +107,7 @@ def make_case(b=2, s_q=1, h_q=4, topk=32, page=16, num_blocks=None, extra_topk=0
 
     kw = {}
     kw["k_cache"], kw["indices"] = cache_and_indices(topk, page, num_blocks)
-    q = torch.randn(b, s_q, h_q, D_QK, generator=g)
+    q = torch.randn(b, s_q, h_q, d_qk, generator=g)
     kw["q"] = (q * q_scale if q_scale != 1.0 else q).bfloat16().to(device)
     if sink:
         s = torch.randn(h_q, generator=g)
@@ -163,6 +171,7 @@ class CaseSpec:
     q_scale: float = 1.0
     seed: int = 0
     strided: bool = False
+    d_qk: int = 512          #: 512: MODEL1 caches; 576: DeepSeek-V3.2's
 
     def kwargs(self) -> dict:
         d = asdict(self)
@@ -310,6 +319,27 @@ def schedule_cases() -> list[CaseSpec]:
                  strided=True, seed=507),
         CaseSpec("sched b33 s_q2 h16 CSA", b=33, s_q=2, h_q=16, **csa, seed=508),
     ]
+
+
+def v32_cases(pool_bytes: float = 5e8) -> list[CaseSpec]:
+    """DeepSeek-V3.2's cache (q 576 wide, 656-byte tokens) at the shapes of FlashMLA's V3.2
+    cases: 64 and 128 heads, top-k 2048 at page size 64, b 1 to 64, s_q 1 and 2, over a pool of
+    about ``pool_bytes``, 5% of the indices invalid; and what FlashMLA's sm_90 V3.2 kernel does
+    not take but mla does: lengths (0 and the full top-k among them), an extra cache, strided
+    inputs. The Gluon kernel does not read this layout: its forced impls skip these cases."""
+    v32 = dict(topk=2048, page=64, num_blocks=max(2, int(pool_bytes // page_stride(64, V32))),
+               invalid_frac=0.05, d_qk=V32.d_qk)
+    out = []
+    for h_q in (64, 128):
+        for b, s_q in ((1, 1), (8, 2), (33, 1), (64, 2)):
+            out.append(CaseSpec(f"V3.2 b{b} s_q{s_q} h{h_q}", b=b, s_q=s_q, h_q=h_q, **v32, seed=600 + len(out)))
+    out += [
+        CaseSpec("V3.2 b16 s_q2 h64 lengths, extra cache P2", b=16, s_q=2, h_q=64, **v32, extra_topk=256,
+                 extra_page=2, lengths="edges", seed=620),
+        CaseSpec("V3.2 b5 s_q2 h128 lengths, strided, an empty query", b=5, s_q=2, h_q=128, **v32, lengths=True,
+                 strided=True, empty_query=True, seed=621),
+    ]
+    return out
 
 
 def benchmark_cases(pool_bytes: float = 5e8) -> list[CaseSpec]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..api import sparse_decode
-from ..layout import D_QK, quantize_kv
+from ..layout import cache_layout, quantize_kv
 from ..reference import sparse_decode_reference
 from .cases import invalid_values
 from .compare import check_against_reference
@@ -39,7 +39,7 @@ def graph_replay_check(case: dict, replays: int = 3, impl: str = "mma", invalid_
             kc, idx = args[cache_key], args[idx_key]
             nblk, page = kc.shape[0], kc.shape[1]
             kinds = torch.tensor(invalid_values(nblk * page), dtype=torch.int32)
-            kc.copy_(quantize_kv(torch.randn(nblk, page, D_QK, generator=g).bfloat16()))
+            kc.copy_(quantize_kv(torch.randn(nblk, page, cache_layout(kc).d_qk, generator=g).bfloat16()))
             new = torch.randint(0, nblk * page, idx.shape, dtype=torch.int32, generator=g)
             bad = torch.rand(idx.shape, generator=g) < invalid_frac
             idx.copy_(torch.where(bad, kinds[torch.randint(0, len(kinds), idx.shape, generator=g)], new))

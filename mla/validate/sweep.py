@@ -91,7 +91,7 @@ def unreferenced_invariant(fn, case: dict, out: torch.Tensor, lse: torch.Tensor)
         if case.get(ck) is None:
             continue
         c = _clone_cache(case[ck])
-        _fill_unreferenced(c, _valid_positions(case[ik], case.get(lk)), 0, 0, 0x7F, 0)   # zeros; scale 2**0
+        _fill_unreferenced(c, _valid_positions(case[ik], case.get(lk)), 0, 0, 0x7F, 0)   # zeros; finite scales (UE8M0 2**0, float32 3.4e38)
         alt[ck] = c
     q = case["q"]
     poison_allocator(q.numel() * 8, q.device)
