@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from . import api
 from .layout import D_V, fail
 
