@@ -36,7 +36,8 @@ from triton.compiler import CompiledKernel
 
 from . import api, configs, dispatch
 from .kernels import combine, tl_dot
-from .layout import D_QK, MODEL1, TOKEN_BYTES, CacheLayout, empty_cache, page_stride, quantize_kv, token_bytes
+from .layout import D_QK, D_V, MODEL1, TOKEN_BYTES, CacheLayout, empty_cache, layout_for_head_dim, page_stride, \
+    quantize_kv, token_bytes
 
 try:                     # DeepSeek's FlashMLA, where its extension is built (impl "flashmla")
     import flash_mla
@@ -57,10 +58,15 @@ class Shape:
     extra_topk: int = 0
     extra_page: int = 64
     lengths: bool = False          # topk_length (and extra_topk_length with an extra cache) given
+    d_qk: int = D_QK               # q's head dim, which names the cache's layout (576: DeepSeek-V3.2's)
 
     @property
     def topk_total(self) -> int:
         return self.topk + self.extra_topk
+
+    @property
+    def layout(self) -> CacheLayout:
+        return layout_for_head_dim(self.d_qk)
 
 
 def spec_shapes() -> list[Shape]:
@@ -95,14 +101,16 @@ GATHER_H200_GBPS = (2300.0, 2850.0)
 
 
 def traffic_bytes(s: Shape) -> int:
-    """Bytes that must move: gathered tokens * 584 + indices + q + out + lse."""
+    """Bytes that must move: gathered tokens * their bytes (584, or 656 for V3.2) + indices + q +
+    out + lse."""
     n_q = s.b * s.s_q
-    return (n_q * s.topk_total * (TOKEN_BYTES + 4) + n_q * s.h_q * D_QK * 2 * 2 + n_q * s.h_q * 4)
+    return (n_q * s.topk_total * (s.layout.token_bytes + 4) + n_q * s.h_q * (s.d_qk + D_V) * 2
+            + n_q * s.h_q * 4)
 
 
 def flops(s: Shape) -> int:
-    """2 * b * s_q * h_q * topk_total * (512 for Q.K + 512 for P.V)."""
-    return 2 * s.b * s.s_q * s.h_q * s.topk_total * 2 * D_QK
+    """2 * b * s_q * h_q * topk_total * (d_qk for Q.K + 512 for P.V)."""
+    return 2 * s.b * s.s_q * s.h_q * s.topk_total * (s.d_qk + D_V)
 
 
 def random_cache(num_blocks: int, page: int, device, generator=None, chunk_tokens: int = 1 << 20,
@@ -132,8 +140,8 @@ class Case:
     def __init__(self, s: Shape, device, pool_bytes: float = 2e9, n_sets: int = 16, seed: int = 0, pools=None):
         g = torch.Generator(device=device).manual_seed(seed)
         self.shape = s
-        self.cache = self._pool(pools, s.page, pool_bytes, device, g)
-        self.q = torch.randn(s.b, s.s_q, s.h_q, D_QK, device=device, generator=g).bfloat16()
+        self.cache = self._pool(pools, s.page, pool_bytes, device, g, s.layout)
+        self.q = torch.randn(s.b, s.s_q, s.h_q, s.d_qk, device=device, generator=g).bfloat16()
         self.sink = torch.randn(s.h_q, device=device, generator=g)
         n = self.cache.shape[0] * s.page
         self.index_sets = [random_indices(s.b, s.s_q, s.topk, n, device, g) for _ in range(n_sets)]
@@ -141,7 +149,7 @@ class Case:
         self.extra_sets = [None] * n_sets
         self.lengths = self.extra_lengths = None
         if s.extra_topk:
-            self.extra = self._pool(pools, s.extra_page, pool_bytes / 2, device, g)
+            self.extra = self._pool(pools, s.extra_page, pool_bytes / 2, device, g, s.layout)
             self.extra_sets = [random_indices(s.b, s.s_q, s.extra_topk, self.extra.shape[0] * s.extra_page, device, g)
                                for _ in range(n_sets)]
         if s.lengths:               # each batch row's valid prefix, uniform in [1, topk]
@@ -151,13 +159,13 @@ class Case:
                                                    generator=g)
 
     @staticmethod
-    def _pool(pools, page, pool_bytes, device, g):
-        """A cache of ``pool_bytes`` at this page size, taken from ``pools`` (a dict a sweep keeps,
-        keyed by page size and bytes) when it holds one."""
-        key = (page, int(pool_bytes))
+    def _pool(pools, page, pool_bytes, device, g, layout=MODEL1):
+        """A cache of ``pool_bytes`` at this page size (of ``layout``), taken from ``pools`` (a dict
+        a sweep keeps, keyed by page size, bytes and layout) when it holds one."""
+        key = (page, int(pool_bytes), layout.name)
         if pools is not None and key in pools:
             return pools[key]
-        cache = random_cache(max(1, int(pool_bytes // page_stride(page))), page, device, g)
+        cache = random_cache(max(1, int(pool_bytes // page_stride(page, layout))), page, device, g, layout=layout)
         if pools is not None:
             pools[key] = cache
         return cache
@@ -214,7 +222,7 @@ class Case:
                 q = torch.nn.functional.pad(q, (0, 0, 0, pad))
                 sink = torch.nn.functional.pad(sink, (0, pad))
             return lambda i: flash_mla.flash_mla_with_kvcache(
-                q, self.cache, None, None, D_QK, meta, is_fp8_kvcache=True, indices=self.index_sets[i],
+                q, self.cache, None, None, D_V, meta, is_fp8_kvcache=True, indices=self.index_sets[i],
                 attn_sink=sink, extra_k_cache=self.extra, extra_indices_in_kvcache=self.extra_sets[i],
                 topk_length=self.lengths, extra_topk_length=self.extra_lengths)
         return lambda i: api.sparse_decode(self.q, self.cache, self.index_sets[i], **self.kwargs(i), impl=impl)
@@ -395,7 +403,7 @@ def record(s: Shape, impl: str, us_graph: float, us_do_bench: float | None, ceil
             "page": s.page, "extra_page": s.extra_page if s.extra_topk else None, "lengths": s.lengths, "impl": impl,
             "us_graph": round(us_graph, 2), "us_do_bench": us(us_do_bench), "us_eager_loop": us(us_eager_loop),
             "tflops": round(flops(s) / t / 1e12, 2), "gbps": round(traffic_bytes(s) / t / 1e9, 1),
-            "roofline": round(floor / t, 4)}
+            "roofline": round(floor / t, 4), **({"d_qk": s.d_qk} if s.d_qk != D_QK else {})}
 
 
 #: impls that time the portable kernel as another architecture compiles it, and that architecture
@@ -549,6 +557,18 @@ def sweep_shapes() -> list[Shape]:
         for s_q in (1, 2):
             out += [Shape("sweep CSA", b, s_q, h_q, **SWEEP_CONFIGS["CSA"]) for b in SWEEP_B]
     return out
+
+
+#: DeepSeek-V3.2's part of the sweep: its cache (656-byte tokens, q 576 wide) at its top-k of 2048
+#: over pages of 64, as FlashMLA's V3.2 cases have it (its sm_90 V3.2 kernel takes no extra cache
+#: and no top-k lengths)
+V32_SWEEP_CONFIG = dict(topk=2048, page=64, d_qk=576)
+
+
+def v32_sweep_shapes() -> list[Shape]:
+    """The V3.2 sweep's points: h_q 64 and 128, b over :data:`SWEEP_B`, s_q 1 and 2."""
+    return [Shape("sweep V3.2", b, s_q, h_q, **V32_SWEEP_CONFIG) for h_q in (64, 128) for s_q in (1, 2)
+            for b in SWEEP_B]
 
 
 def _sweep_key(r: dict) -> tuple:
@@ -1033,6 +1053,8 @@ def main(argv=None) -> int:
                          "again until it reports 0 remaining")
     ap.add_argument("--h-q", action="append", type=int, dest="h_q",
                     help="with --sweep: only the points of these head counts (repeatable)")
+    ap.add_argument("--v32", action="store_true",
+                    help="with --sweep: DeepSeek-V3.2's cache (v32_sweep_shapes) into <out>/<gpu-slug>/sweep_v32.json")
     ap.add_argument("--budget-s", type=float, default=540.0, help="the sweep's seconds per part (default 540)")
     ap.add_argument("--host", action="store_true",
                     help="only measure the Python per call before the launches (launches stubbed, the launch "
@@ -1058,9 +1080,11 @@ def main(argv=None) -> int:
         return 0
     if a.sweep:
         try:
-            shapes = [s for s in sweep_shapes() if s.h_q in a.h_q] if a.h_q else None
-            doc = sweep(shapes, impls=tuple(a.impl) if a.impl else SWEEP_IMPLS, out_dir=a.out, budget_s=a.budget_s,
-                        progress=not a.no_progress)
+            grid = v32_sweep_shapes() if a.v32 else sweep_shapes()
+            shapes = [s for s in grid if s.h_q in a.h_q] if a.h_q else grid
+            impls = tuple(a.impl) if a.impl else (("mma", "flashmla") if a.v32 else SWEEP_IMPLS)
+            doc = sweep(shapes, impls=impls, out_dir=a.out, name="sweep_v32" if a.v32 else "sweep",
+                        budget_s=a.budget_s, progress=not a.no_progress)
         except RuntimeError as e:
             print(e, file=sys.stderr)
             return 2

@@ -1,5 +1,6 @@
 """mla.bench on the CPU: the command line, the byte and FLOP counts, the record arithmetic, the
 SPEC's shapes, the GPU slug and the comparison of two results. Nothing here times anything."""
+import dataclasses
 import json
 import math
 import os
@@ -269,3 +270,19 @@ def test_eager_loops_take_turns_and_keep_each_ones_fastest(monkeypatch):
     assert [n for n, _ in order] == ["a", "a", "b", "b"] + (["a"] * 4 + ["b"] * 4) * 3
     assert [i for n, i in order[4:8]] == [0, 1, 0, 1]
     assert got == pytest.approx({"a": 1.0, "b": 3.0})
+
+
+def test_the_v32_sweep_counts_its_own_bytes_and_flops():
+    """DeepSeek-V3.2's sweep points: 656-byte tokens and q 576 wide (Q.K over 576, P.V over 512),
+    counted by hand; the records name the head dim."""
+    s = next(x for x in bench.v32_sweep_shapes() if x.b == 8 and x.s_q == 1 and x.h_q == 64)
+    assert (s.topk, s.page, s.d_qk, s.extra_topk, s.lengths) == (2048, 64, 576, 0, False)
+    n_q = 8
+    assert bench.traffic_bytes(s) == n_q * 2048 * (656 + 4) + n_q * 64 * (576 + 512) * 2 + n_q * 64 * 4
+    assert bench.flops(s) == 2 * n_q * 64 * 2048 * (576 + 512)
+    m1 = dataclasses.replace(s, d_qk=512)
+    assert bench.flops(m1) == 2 * n_q * 64 * 2048 * 1024 and bench.traffic_bytes(m1) < bench.traffic_bytes(s)
+    ceil = {"copy_gbps": 1000.0, "matmul_tflops": 100.0}
+    assert bench.record(s, "mma", 10.0, None, ceil)["d_qk"] == 576 and "d_qk" not in bench.record(m1, "mma", 10.0,
+                                                                                                   None, ceil)
+    assert {(x.h_q, x.s_q) for x in bench.v32_sweep_shapes()} == {(64, 1), (64, 2), (128, 1), (128, 2)}
