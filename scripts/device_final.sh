@@ -9,7 +9,9 @@
 # PART: flashmla (build FLASHMLA_SRC, default .flashmla, a FlashMLA checkout with the nvidia-cutlass
 # wheel in it, into /tmp/fm, with FLASHMLA_BUILD, default scripts/build_flashmla.sh, and time it
 # beside mla in the later parts; once built it is reused while the machine stays warm), tests, gpu (the GPU tests
-# alone), validation, bench, sweep, serving, host, profile (Nsight Compute on PROFILE_IMPLS at
+# alone; GPU_TESTS_K a -k filter), validation (VALIDATION_IMPLS: --impls), bench, sweep (SWEEP_ARGS:
+# more of its arguments, e.g. --impl and --h-q), sweep_v32 (DeepSeek-V3.2's cache), timeline (the
+# Gluon kernel's stamped chain), serving, host, profile (Nsight Compute on PROFILE_IMPLS at
 # PROFILE_SHAPES, default the portable kernel's sm_90 and sm_80 code at DSA b 128 and b 8), or a
 # notebook path (notebooks/0*.ipynb globs work).
 # With no PART it runs all of them (more than one 600 s device call can hold; split it).
@@ -42,11 +44,15 @@ nbsetup() {
       tests) nbsetup      # the chapter tests import nbformat
         step "${TESTS_S:-300}" python3 -m pytest -q -m "not slow" -p no:cacheprovider -rfE ;;
       gpu) nbsetup
-        step "${GPU_TESTS_S:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE ;;
+        step "${GPU_TESTS_S:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} ;;
       validation) step "${VALIDATION_S:-240}" python3 scripts/gpu_validation.py --out "$OUT/val" \
-        --budget-s "${VALIDATION_BUDGET_S:-150}" ;;
+        --budget-s "${VALIDATION_BUDGET_S:-150}" ${VALIDATION_IMPLS:+--impls "$VALIDATION_IMPLS"} ;;
       bench) step "${BENCH_S:-330}" python3 -m mla.bench --repeat 3 --out "$OUT/res" --no-progress ;;
-      sweep) step "${SWEEP_S:-200}" python3 -m mla.bench --sweep --budget-s "${SWEEP_BUDGET_S:-150}" --out "$OUT/res" --no-progress ;;
+      sweep) step "${SWEEP_S:-200}" python3 -m mla.bench --sweep --budget-s "${SWEEP_BUDGET_S:-150}" --out "$OUT/res" \
+        --no-progress ${SWEEP_ARGS:-} ;;
+      sweep_v32) step "${SWEEP_V32_S:-120}" python3 -m mla.bench --sweep --v32 --budget-s "${SWEEP_V32_BUDGET_S:-90}" \
+        --out "$OUT/res" --no-progress ;;
+      timeline) step "${TIMELINE_S:-150}" python3 experiments/gluon_timeline.py --out "$OUT/gluon_timeline.json" ;;
       host) step 60 python3 -m mla.bench --host ;;
       serving) step "${SERVING_S:-120}" python3 -m mla.bench --serving --out "$OUT/res" ;;
       profile) mkdir -p "$OUT/ncu"
