@@ -28,13 +28,24 @@ MIN_BLOCK_H = 16
 
 
 @dataclasses.dataclass(frozen=True)
-class TlDotConfig:
-    """Launch parameters of the portable ``tl.dot`` kernel (:mod:`mla.kernels.tl_dot`)."""
+class TileConfig:
+    """What the ``tl.dot`` kernels' launches share: a program's tile and its warps and stages."""
 
     block_h: int = 64       #: heads per program (the M of the dots)
     block_n: int = 64       #: tokens per tile (the N of S = Q.K^T)
     num_warps: int = 8
     num_stages: int = 1
+
+    def for_heads(self, h_q: int):
+        """The head block for h_q: at most h_q rounded up to a power of two, at least 16."""
+        p2 = 1 << max(0, int(h_q) - 1).bit_length()
+        return dataclasses.replace(self, block_h=max(MIN_BLOCK_H, min(self.block_h, p2)))
+
+
+@dataclasses.dataclass(frozen=True)
+class TlDotConfig(TileConfig):
+    """Launch parameters of the portable ``tl.dot`` decode kernel (:mod:`mla.kernels.tl_dot`)."""
+
     #: 2: two programs per head block, each owning 256 of the 512 output columns (the form the
     #: launch rule picks for a grid too small to fill the GPU)
     dv_halves: int = 1
@@ -50,11 +61,6 @@ class TlDotConfig:
     @property
     def label(self) -> str:
         return "tl.dot" + (", split P.V" if self.dv_halves == 2 else "")
-
-    def for_heads(self, h_q: int) -> "TlDotConfig":
-        """The head block for h_q: at most h_q rounded up to a power of two, at least 16."""
-        p2 = 1 << max(0, int(h_q) - 1).bit_length()
-        return dataclasses.replace(self, block_h=max(MIN_BLOCK_H, min(self.block_h, p2)))
 
 
 #: The Gluon sm_90 kernel's forms: (heads per program, tokens per consumer tile, two consumers).
@@ -228,3 +234,31 @@ def write(path, gpu_name: str, triton_version: str, table: dict, measured: str =
 
 #: The config under Triton's CPU interpreter: small tiles, one config (it cannot autotune).
 INTERPRETER = TlDotConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig(TileConfig):
+    """Launch parameters of the sparse prefill kernel (:mod:`mla.kernels.prefill`)."""
+
+
+#: The prefill's config per architecture: the largest head block (then the largest token tile)
+#: whose kernel, at d_qk 512 and 576, compiles inside the architecture's shared memory with its
+#: token-tile loop on the tensor cores and in registers (tests/test_aot.py compiles each). sm_90:
+#: 64 heads x 64 tokens, as FlashMLA's sm_90 kernel (144 KB: Q and one K tile of 72 KB each); its
+#: loop reloads a few spilled values a tile (2 at d_qk 512, 7 at 576, of some 1300-1400
+#: instructions), which 64 x 32 tiles would not, at twice the accumulator rescales a token.
+#: sm_100: 32 heads (at 64 Triton lowers the kernel to a lone trap, as it does where the
+#: accumulators exceed tensor memory: two [64, 256] halves and S would take 576 of its 512 columns).
+#: sm_80: 64 heads x 32 tokens (64 x 64 needs 168 KB of its 163). sm_89, sm_120 (and sm_86, the
+#: other 99 KB parts): 32 x 32, 84 KB.
+PREFILL = {90: PrefillConfig(64, 64), 100: PrefillConfig(32, 64), 80: PrefillConfig(64, 32),
+           89: PrefillConfig(32, 32), 120: PrefillConfig(32, 32)}
+#: The prefill's config under the interpreter: the largest tiles, which are the fewest numpy steps
+#: (128 heads in one program run in about half the time of two programs of 64).
+PREFILL_INTERPRETER = PrefillConfig(128, 128, num_warps=4)
+
+
+def prefill_config(arch: int) -> PrefillConfig:
+    """The prefill's config for an architecture (``arch`` = 10*major + minor): its own entry of
+    :data:`PREFILL`, else (an architecture no entry names) the 99 KB parts' one, the smallest."""
+    return PREFILL.get(arch, PREFILL[89])
