@@ -262,10 +262,10 @@ def shipped_variants(arch: int) -> list[dict]:
 
 def prefill_variant(arch: int, cfg, d_qk: int = 576, loops: bool = True) -> dict:
     """The sparse prefill kernel's variant for ``arch`` under a
-    :class:`~mla.configs.PrefillConfig` (sink and lengths on, bf16 dot operands)."""
+    :class:`~mla.configs.PrefillConfig` (sink and lengths on, the config's operand type)."""
     return {"kernel": "sparse_prefill_kernel", "arch": arch, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
             "loops": loops, "constexprs": {"D_QK": d_qk, "HAS_SINK": True, "HAS_LEN": True, "BLOCK_H": cfg.block_h,
-                                           "BLOCK_N": cfg.block_n, "DOT": "bfloat16"}}
+                                           "BLOCK_N": cfg.block_n, "DOT": cfg.dot}}
 
 
 def shipped_prefill_variants(arch: int) -> list[dict]:

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from . import _runtime, dispatch
+from . import _runtime, configs, dispatch
 from .kernels import writer
 from .layout import D_QK, D_V, TOKEN_BYTES, check_cache, fail
 from .reference import sparse_decode_reference, sparse_prefill_reference
@@ -493,7 +493,8 @@ def check_prefill_inputs(q, kv, indices, sm_scale, d_v=D_V, attn_sink=None, topk
         _check_layout(out, "out")
 
 
-def sparse_prefill(q, kv, indices, sm_scale, d_v=D_V, attn_sink=None, topk_length=None, *, out=None, impl="auto"):
+def sparse_prefill(q, kv, indices, sm_scale, d_v=D_V, attn_sink=None, topk_length=None, *, out=None, impl="auto",
+                   config=None):
     """Sparse MLA prefill over a bf16 ``kv`` (FlashMLA's ``flash_mla_sparse_fwd``: its arguments,
     checks and outputs, as ``tests/ref.py`` defines them).
 
@@ -512,6 +513,8 @@ def sparse_prefill(q, kv, indices, sm_scale, d_v=D_V, attn_sink=None, topk_lengt
             contiguous last dim, such as a slice of a larger buffer).
         impl: ``"auto"``, ``"mma"`` (the Triton kernel, :mod:`mla.kernels.prefill`) or
             ``"reference"`` (plain PyTorch in float32).
+        config: a :class:`mla.configs.PrefillConfig` to launch instead of the device's (tests,
+            experiments; ``impl="mma"`` only).
 
     Returns:
         ``(out [s_q, h_q, 512] bf16, max_logits [s_q, h_q] fp32, lse [s_q, h_q] fp32)``:
@@ -520,13 +523,16 @@ def sparse_prefill(q, kv, indices, sm_scale, d_v=D_V, attn_sink=None, topk_lengt
         -inf and lse +inf.
     """
     check_prefill_inputs(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, impl)
+    impl = resolve_impl(impl, q.device)
+    if config is not None and (impl != "mma" or not isinstance(config, configs.PrefillConfig)):
+        fail("config", f"expected a mla.configs.PrefillConfig with impl 'mma', got {config!r} with impl {impl!r}")
     s_q, h_q, _ = q.shape
     if out is None:
         out = torch.empty(s_q, h_q, D_V, dtype=torch.bfloat16, device=q.device)
     max_logits = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
     lse = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
-    if resolve_impl(impl, q.device) == "mma":
-        dispatch.run_prefill(q, kv, indices, sm_scale, attn_sink, topk_length, out, max_logits, lse)
+    if impl == "mma":
+        dispatch.run_prefill(q, kv, indices, sm_scale, attn_sink, topk_length, out, max_logits, lse, config)
     else:
         ref_out, ref_max, ref_lse = sparse_prefill_reference(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
                                                              dtype=torch.float32)

@@ -655,7 +655,9 @@ class PrefillShape:
         return "prefill V3.2" if self.d_qk == 576 else "prefill V4"
 
 
-PREFILL_IMPLS = ("mma", "flashmla")
+#: "mma": mla's prefill as it ships (fp16 operands); "mma-bf16": with bf16 operands, FlashMLA's
+#: rounding of P (:class:`mla.configs.PrefillConfig`'s ``dot``); "flashmla": FlashMLA's own
+PREFILL_IMPLS = ("mma", "mma-bf16", "flashmla")
 
 
 def prefill_shapes() -> list[PrefillShape]:
@@ -715,23 +717,30 @@ class PrefillCase:
         self.sm_scale = s.d_qk ** -0.5
 
     def caller(self, impl: str):
-        """``f(i)``: one call of ``impl`` ("mma": :func:`mla.sparse_prefill`; "flashmla":
-        FlashMLA's own ``flash_mla_sparse_fwd``) on index set ``i``."""
+        """``f(i)``: one call of ``impl`` (:data:`PREFILL_IMPLS`: :func:`mla.sparse_prefill`
+        with the device's config, the same with bf16 operands, or FlashMLA's own
+        ``flash_mla_sparse_fwd``) on index set ``i``."""
         if impl == "flashmla":
             if flash_mla is None:
                 raise RuntimeError("impl 'flashmla': the flash_mla extension does not import here")
             fn = flash_mla.flash_mla_sparse_fwd
-        elif impl == "mma":
-            fn = api.sparse_prefill
+        elif impl in ("mma", "mma-bf16"):
+            cfg = dispatch.prefill_config(self.q.device, self.shape.h_q)
+            if impl == "mma-bf16":
+                cfg = dataclasses.replace(cfg, dot="bfloat16")
+            fn = functools.partial(api.sparse_prefill, config=cfg)
+            fn.config = cfg
         else:
             raise ValueError(f"impl: expected one of {PREFILL_IMPLS}, got {impl!r}")
-        return lambda i: fn(self.q, self.kv, self.index_sets[i], self.sm_scale, 512, self.sink)
+        call = lambda i: fn(self.q, self.kv, self.index_sets[i], self.sm_scale, 512, self.sink)  # noqa: E731
+        call.config = getattr(fn, "config", None)
+        return call
 
 
 def prefill(shapes=None, impls=None, out_dir="results", name="prefill", budget_s: float = 150.0, n_sets: int = 4,
             progress=True) -> dict:
     """Time the sparse prefill at ``shapes`` (default :func:`prefill_shapes`) for ``impls``
-    (``mla``'s "mma", and "flashmla" where its package imports), one after another on the same
+    (:data:`PREFILL_IMPLS`; "flashmla" where its package imports), one after another on the same
     inputs: the CUDA-graph median per call over ``n_sets`` index sets (:func:`time_graph`) and
     do_bench's median (:func:`time_do_bench`), both after a warm-up; no point starts after
     ``budget_s`` seconds (``remaining`` counts those left). Writes
@@ -763,8 +772,8 @@ def prefill(shapes=None, impls=None, out_dir="results", name="prefill", budget_s
             except RuntimeError as e:          # FlashMLA off sm_90 / sm_100
                 skipped.append({**dataclasses.asdict(s), "impl": impl, "error": str(e)[:300]})
                 continue
-            if impl == "mma":
-                rec["config"] = dataclasses.asdict(dispatch.prefill_config(dev, s.h_q))
+            if call.config is not None:
+                rec["config"] = dataclasses.asdict(call.config)
             records.append(rec)
         done += 1
         bar.update(1)

@@ -537,7 +537,8 @@ def run_prefill(q, kv, indices, sm_scale, attn_sink, topk_length, out, max_logit
     s_q, h_q, d_qk = q.shape
     cfg = (config or prefill_config(q.device, h_q)).for_heads(h_q)
     grid, kw = prefill.launch_params(s_q, h_q, d_qk, block_h=cfg.block_h, block_n=cfg.block_n,
-                                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, dot=prefill.OPERAND_DTYPE)
+                                     num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                     dot=prefill.operand_dtype(cfg.dot))
     sink = attn_sink if attn_sink is not None else lse          # a stand-in pointer, never read
     length = topk_length if topk_length is not None else indices
     prefill.sparse_prefill_kernel[grid](

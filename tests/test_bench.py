@@ -348,6 +348,7 @@ def test_prefill_case_on_the_cpu():
     out, ml, lse = case.caller("mma")(1)
     want = mla.sparse_prefill(case.q, case.kv, case.index_sets[1], 576 ** -0.5, attn_sink=case.sink)
     assert all(torch.equal(a, b) for a, b in zip((out, ml, lse), want))
+    assert case.caller("mma").config.dot == "float16" and case.caller("mma-bf16").config.dot == "bfloat16"
     if bench.flash_mla is None:
         with pytest.raises(RuntimeError, match="flash_mla"):
             case.caller("flashmla")

@@ -2,6 +2,7 @@
 reference against numbers worked out by hand, the Triton kernel against the reference at
 FlashMLA's kinds of cases scaled down (with FlashMLA's tolerances), the argument checks, the grid,
 and vLLM's DeepSeek-V4 call."""
+import functools
 import inspect
 import math
 
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 
 import mla
 import mla.flash_mla as flash_mla
-from mla import dispatch
+from mla import configs, dispatch
 from mla.configs import PrefillConfig
 from mla.kernels import prefill
 from mla.reference import sparse_prefill_reference
@@ -117,19 +118,13 @@ def test_kernel_matches_the_reference(name, d_qk):
         assert r.ok, str(r)
 
 
-@pytest.mark.parametrize("cfg", [PrefillConfig(64, 64), PrefillConfig(64, 32), PrefillConfig(32, 32)],
-                         ids=["sm_90", "sm_80", "sm_89"])
-def test_the_gpu_configs_tiles_under_the_interpreter(cfg):
-    """The shipped tiles (the interpreter's own are 128 x 128): several head blocks per token
-    (100 heads: 2 or 4 blocks, the last one part empty) and several token tiles (top-k 200)."""
+@pytest.mark.parametrize("arch", sorted(configs.PREFILL))
+def test_the_gpu_configs_tiles_under_the_interpreter(arch):
+    """Each architecture's tiles (the interpreter's own are 128 x 128): several head blocks per
+    token (100 heads: 2 or 4 blocks, the last one part empty) and several token tiles (top-k
+    200)."""
     case = make_prefill_case(s_q=2, s_kv=300, topk=200, h_q=100, d_qk=576, lengths=True, seed=7)
-
-    def call(q, kv, indices, sm_scale, attn_sink, topk_length):
-        out = torch.empty(q.shape[0], q.shape[1], 512, dtype=torch.bfloat16)
-        ml, lse = torch.empty(q.shape[:2]), torch.empty(q.shape[:2])
-        dispatch.run_prefill(q, kv, indices, sm_scale, attn_sink, topk_length, out, ml, lse, config=cfg)
-        return out, ml, lse
-    for r in run_prefill_case(call, case):
+    for r in run_prefill_case(functools.partial(mla.sparse_prefill, config=configs.PREFILL[arch]), case):
         assert r.ok, str(r)
 
 
@@ -243,7 +238,7 @@ def test_flash_mla_sparse_fwd_has_flashmlas_signature():
 def test_query_tokens_go_on_grid_axis_0():
     """FlashMLA's 70000-token case: s_q on axis 0 (up to 2**31 - 1), not on axis 1 or 2 (65535
     at most); the dispatch launches exactly that grid."""
-    grid, kw = prefill.launch_params(70000, 128, 576, block_h=64, block_n=64, num_warps=8, num_stages=1, dot=None)
+    grid, kw = prefill.launch_params(70000, 128, 576, block_h=64, block_n=64, num_warps=8, num_stages=2, dot=None)
     assert grid == (70000, 2) and kw["D_QK"] == 576 and kw["BLOCK_H"] == 64
     seen = []
 
@@ -264,13 +259,22 @@ def test_query_tokens_go_on_grid_axis_0():
 
 def test_the_configs_per_architecture():
     # heads as M, 64 on Hopper (FlashMLA's B_H), fewer where the compile says so (tests/test_aot.py)
-    from mla import configs
-    assert configs.prefill_config(90) == configs.PrefillConfig(64, 64)
-    assert configs.prefill_config(86) == configs.prefill_config(89) == configs.PrefillConfig(32, 32)
+    assert configs.prefill_config(90) == PrefillConfig(64, 64, 8, 2, "float16")
+    assert configs.prefill_config(86) == configs.prefill_config(89) == PrefillConfig(32, 32)
     assert configs.prefill_config(90).for_heads(20).block_h == 32
     assert configs.prefill_config(90).for_heads(1).block_h == 16
     assert dispatch.prefill_config(torch.device("cpu"), 128) == configs.PREFILL_INTERPRETER
     assert dispatch.prefill_config(torch.device("cpu"), 100).block_h == 128
+    with pytest.raises(ValueError, match="dot"):
+        PrefillConfig(dot="float32")
+
+
+def test_a_config_is_for_the_kernel_only():
+    a = _good()
+    with pytest.raises(ValueError, match="^config: "):
+        mla.sparse_prefill(**a, impl="reference", config=PrefillConfig())
+    with pytest.raises(ValueError, match="^config: "):
+        mla.sparse_prefill(**a, config=configs.TlDotConfig())
 
 
 # ---------------------------------------------------------------------------------------------

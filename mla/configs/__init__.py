@@ -240,21 +240,34 @@ INTERPRETER = TlDotConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
 class PrefillConfig(TileConfig):
     """Launch parameters of the sparse prefill kernel (:mod:`mla.kernels.prefill`)."""
 
+    #: the dots' operand type on a GPU: "float16" (P to 2**-11; q and kv must stay inside fp16's
+    #: range, |x| < 65504) or "bfloat16" (P to 2**-8, as FlashMLA's kernel rounds it; no range
+    #: limit); the module docstring of :mod:`mla.kernels.prefill` weighs the two
+    dot: str = "float16"
 
-#: The prefill's config per architecture: the largest head block (then the largest token tile)
-#: whose kernel, at d_qk 512 and 576, compiles inside the architecture's shared memory with its
-#: token-tile loop on the tensor cores and in registers (tests/test_aot.py compiles each). sm_90:
-#: 64 heads x 64 tokens, as FlashMLA's sm_90 kernel (144 KB: Q and one K tile of 72 KB each); its
-#: loop reloads a few spilled values a tile (2 at d_qk 512, 7 at 576, of some 1300-1400
-#: instructions), which 64 x 32 tiles would not, at twice the accumulator rescales a token.
-#: sm_100: 32 heads (at 64 Triton lowers the kernel to a lone trap, as it does where the
-#: accumulators exceed tensor memory: two [64, 256] halves and S would take 576 of its 512 columns).
-#: sm_80: 64 heads x 32 tokens (64 x 64 needs 168 KB of its 163). sm_89, sm_120 (and sm_86, the
-#: other 99 KB parts): 32 x 32, 84 KB.
-PREFILL = {90: PrefillConfig(64, 64), 100: PrefillConfig(32, 64), 80: PrefillConfig(64, 32),
+    def __post_init__(self):
+        if self.dot not in ("float16", "bfloat16"):
+            raise ValueError(f"config: dot must be 'float16' or 'bfloat16', got {self.dot!r}")
+
+
+#: The prefill's config per architecture: the largest head block, then the largest token tile,
+#: whose kernel, at d_qk 512 and 576 with fp16 operands, compiles inside the architecture's shared
+#: memory with its token-tile loop on the tensor cores and in registers (tests/test_aot.py
+#: compiles each). sm_90: 64 heads x 64 tokens, FlashMLA's sm_90 tile, two stages (192 and 216
+#: KB); its loop stores and reloads a few spilled values a tile (4 at d_qk 512, 5 at 576, of some
+#: 1300-1500 instructions: a [64, 512] fp32 accumulator is 128 registers a thread, and the
+#: gathered tile passes through registers to be converted). With one stage it spills ten times
+#: more; 64 x 32 tiles spill about as much per token and take a third more instructions per
+#: token (the accumulator's rescale is per tile). sm_100: 32 heads (at 64 Triton lowers the
+#: kernel to a lone trap, as it does where the accumulators exceed tensor memory: two [64, 256]
+#: halves and S would take 576 of its 512 columns). sm_80: 64 heads x 32 tokens, two stages (64 x
+#: 64 does not fit its 163 KB; one stage spills at 576). sm_89, sm_120 (and sm_86, the other 99 KB
+#: parts): 32 x 32, 64-68 KB.
+PREFILL = {90: PrefillConfig(64, 64, 8, 2), 100: PrefillConfig(32, 64), 80: PrefillConfig(64, 32, 8, 2),
            89: PrefillConfig(32, 32), 120: PrefillConfig(32, 32)}
 #: The prefill's config under the interpreter: the largest tiles, which are the fewest numpy steps
-#: (128 heads in one program run in about half the time of two programs of 64).
+#: (128 heads in one program run in about half the time of two programs of 64); its operands are
+#: float32 whatever ``dot`` says.
 PREFILL_INTERPRETER = PrefillConfig(128, 128, num_warps=4)
 
 

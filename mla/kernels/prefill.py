@@ -29,17 +29,24 @@ The tiles follow from it: heads as M with BLOCK_H 64 (a warpgroup's M; 128 heads
 programs per token, each gathering the same rows, the second mostly from L2), BLOCK_N 64 tokens
 (S is [64, 64] fp32, 16 registers a thread at 8 warps), and the fp32 output as two [64, 256]
 halves, 128 registers a thread at 8 warps: all 512 columns in one program, since a program per
-half would repeat Q.K^T, 53% of the FLOPs at d_qk 576. Q is [64, 576] bf16, 72 KB, loaded
-once; a K tile is [64, 576] bf16, 72 KB.
+half would repeat Q.K^T, 53% of the FLOPs at d_qk 576. Q is [64, 576] 16-bit values, 72 KB,
+loaded once; so is a K tile. The other architectures' tiles follow from their compiles
+(:data:`mla.configs.PREFILL`).
 
-The dots' operands are bf16 on the GPU: q and kv are bf16 already (no conversion of the gathered
-tile, and none of the range problems a conversion to fp16 would bring above 65504), and P is
-rounded to bf16, as FlashMLA's sm_90 kernel does. A P rounded to bf16 is off by at most 2**-9 of
-itself, so the output, a P-weighted mean of V rows, is off by at most 2**-9 of the mean of |V|:
-inside FlashMLA's prefill tolerance (abs 8e-4 or rel 3.01/128, cosine difference 7e-6, looser
-than the decode's 2.01/128 for this reason) for FlashMLA's test data, with the row sum l kept in
-fp32 unrounded. Under the interpreter the operands are float32, whose ``tl.dot`` multiplies bf16
-bit patterns as integers (:data:`mla.kernels.tl_dot.OPERAND_DTYPE`).
+The dots' operands are fp16 on the GPU by default, as the decode's: P is rounded to 2**-11 of
+itself, and the output, a P-weighted mean of V rows, is then off by at most 2**-11 of the mean of
+|V| (bf16 P: 2**-8), with the row sum l in fp32, unrounded. FlashMLA's prefill tolerance (abs
+8e-4 or rel 3.01/128, cosine difference 7e-6) holds for bf16 P on FlashMLA's test data (|V|
+about 0.08), which is why its sm_90 kernel may round P to bf16, but not on unit-variance data (a
+latent after its RMSNorm), where a few valid tokens of similar score put errors of 2**-9 |V| on
+outputs near 0: ``experiments/prefill_p_rounding.py``, which models the kernel's rounding tile by
+tile, finds 1174 of 2,048,000 outputs past the tolerance with bf16 P and none with fp16
+(``results/cpu/prefill_p_rounding.json``). q and kv are bf16, so they are converted to fp16 as
+they are loaded (exactly: 8 significant bits fit in 11), which limits them to fp16's range,
+|x| < 65504, as the decode's operands are. ``mla.configs.PrefillConfig(dot="bfloat16")`` keeps
+them bf16 (FlashMLA's rounding, no range limit, no conversion). Under the interpreter the
+operands are float32, whose ``tl.dot`` multiplies bf16 and fp16 bit patterns as integers
+(triton-lang/triton#11584).
 """
 from __future__ import annotations
 
@@ -53,9 +60,12 @@ HALF = tl.constexpr(DIM // 2)      #: 256: the columns of one accumulator half (
 TAIL = tl.constexpr(64)            #: the columns of a 576-wide K past the 512 of V (V3.2's rope)
 #: the head dims the kernel serves: DeepSeek-V4 (V is all 512) and V3.2 (V is the first 512)
 D_QKS = (512, 576)
-#: The dots' operand type: bf16 on the GPU (see the module docstring); float32 under the
-#: interpreter, whose tl.dot multiplies bf16 bit patterns as integers (triton-lang/triton#11584).
-OPERAND_DTYPE = tl.float32 if _runtime.INTERPRET else tl.bfloat16
+
+
+def operand_dtype(dot: str):
+    """The dots' operand type for a config's ``dot`` ("float16" or "bfloat16"): that type on a
+    GPU, float32 under the interpreter (see the module docstring)."""
+    return tl.float32 if _runtime.INTERPRET else getattr(tl, dot)
 
 
 @triton.jit
