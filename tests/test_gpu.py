@@ -1,5 +1,6 @@
 """GPU-only checks (skipped on the CPU). Run them on a GPU before calling a kernel done:
 ``pytest -m gpu``."""
+import dataclasses
 import functools
 
 import pytest
@@ -226,6 +227,16 @@ PREFILL_SHAPES = {
 def test_prefill_on_gpu(name, d_qk):
     case = mla.validate.make_prefill_case(**PREFILL_SHAPES[name], d_qk=d_qk, device="cuda", seed=len(name))
     for r in mla.validate.run_prefill_case(mla_flash_mla.flash_mla_sparse_fwd, case):
+        assert r.ok, str(r)
+
+
+@pytest.mark.parametrize("name", ["features 1840/256 s_q 213", "OOB 114/384 s_q 62"])
+def test_prefill_with_bf16_operands_on_flashmlas_data(name):
+    """PrefillConfig(dot="bfloat16"), FlashMLA's rounding of P, passes on FlashMLA's kind of data
+    (values about 0.1; on unit-variance data it would not: experiments/prefill_p_rounding.py)."""
+    cfg = dataclasses.replace(mla.dispatch.prefill_config(torch.device("cuda"), 128), dot="bfloat16")
+    case = mla.validate.make_prefill_case(**PREFILL_SHAPES[name], d_qk=576, device="cuda", seed=5)
+    for r in mla.validate.run_prefill_case(functools.partial(mla.sparse_prefill, config=cfg), case):
         assert r.ok, str(r)
 
 
