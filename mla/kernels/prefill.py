@@ -38,12 +38,12 @@ itself, and the output, a P-weighted mean of V rows, is then off by at most 2**-
 |V| (bf16 P: 2**-8), with the row sum l in fp32, unrounded. FlashMLA's prefill tolerance (abs
 8e-4 or rel 3.01/128, cosine difference 7e-6) holds for bf16 P on FlashMLA's test data (|V|
 about 0.08), which is why its sm_90 kernel may round P to bf16, but not on unit-variance data (a
-latent after its RMSNorm), where a few valid tokens of similar score put errors of 2**-9 |V| on
-outputs near 0: ``experiments/prefill_p_rounding.py``, which models the kernel's rounding tile by
+latent after its RMSNorm), where a few valid tokens of similar score put errors of up to 2**-8
+|V| on outputs near 0: ``experiments/prefill_p_rounding.py``, which models the kernel's rounding tile by
 tile, finds 1174 of 2,048,000 outputs past the tolerance with bf16 P and none with fp16
 (``results/cpu/prefill_p_rounding.json``). q and kv are bf16, so they are converted to fp16 as
-they are loaded (exactly: 8 significant bits fit in 11), which limits them to fp16's range,
-|x| < 65504, as the decode's operands are. ``mla.configs.PrefillConfig(dot="bfloat16")`` keeps
+they are loaded (exactly inside fp16's normal range: 8 significant bits fit in 11), which
+limits them to |x| < 65504, as the decode's operands are. ``mla.configs.PrefillConfig(dot="bfloat16")`` keeps
 them bf16 (FlashMLA's rounding, no range limit, no conversion). Under the interpreter the
 operands are float32, whose ``tl.dot`` multiplies bf16 and fp16 bit patterns as integers
 (triton-lang/triton#11584).
