@@ -61,8 +61,8 @@ SUITES = {"prefill": ("test_flash_mla_sparse_prefill", "run_test"),
           "decode": ("test_flash_mla_sparse_decoding", "test_flash_mla")}
 #: --small: the most work a case may have, in query rows x heads x top-k positions (all caches):
 #: the prefill's 62-token cases up to 128 heads and top-k 128 (its feature cases among them), the
-#: decode's batch-4 cases up to 64 heads x 3 tokens x 128 positions; on 2 cores the prefill's run
-#: in well under an hour, the decode's in about a quarter of one
+#: decode's batch-4 cases up to 64 heads x 3 tokens x 128 positions: each suite's run takes
+#: minutes on 2 cores
 SMALL_WORK = {"prefill": 62 * 128 * 128, "decode": 4 * 3 * 64 * 128}
 
 #: the stand-in package: FlashMLA's three entry points, as mla gives them
