@@ -74,5 +74,7 @@ def test_one_case_of_each_suite_end_to_end(suite, tmp_path):
                         str(out)], capture_output=True, text=True, timeout=850, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     s = json.loads(out.read_text())
-    assert (s["cases_run"], s["passed"], s["failed"]) == (1, 1, 0) and s["cases_listed"] > 100
+    # the decode's first case is a V3.2 one (d_qk 576), which mla's decode refuses
+    assert (s["cases_run"], s["passed"] + s["refused"], s["failed"]) == (1, 1, 0) and s["cases_listed"] > 100
+    assert s["passed"] == 1 or "576" in s["refused_reasons"][0]
     assert s["mla_commit"] and s["device"] and s["flashmla"]["test_file"].startswith("tests/test_flash_mla_sparse")
