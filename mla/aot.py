@@ -18,7 +18,7 @@ import tempfile
 
 from . import configs, dispatch
 from .configs import GLUON_FORMS, SMEM_LIMIT
-from .kernels import combine, simt, tl_dot
+from .kernels import combine, prefill, simt, tl_dot
 
 ARCHS = tuple(SMEM_LIMIT)
 
@@ -32,9 +32,16 @@ _DECODE_TYPES = {
     "elen_ptr": "*i32", "elen_stride": "i32", "n_q": "i32", "s_q": "i32", "h_q": "i32", "sm_scale_log2": "fp32",
     "share": "i32", "num_programs": "i32", "num_splits": "i32",
 }
+# and of the sparse prefill kernel (:mod:`mla.kernels.prefill`)
+_PREFILL_TYPES = {
+    "q_ptr": "*bf16", "q_ss": "i32", "q_sh": "i32", "kv_ptr": "*bf16", "kv_ss": "i32", "idx_ptr": "*i32",
+    "idx_ss": "i32", "len_ptr": "*i32", "len_stride": "i32", "sink_ptr": "*fp32", "sink_stride": "i32",
+    "out_ptr": "*bf16", "out_ss": "i32", "out_sh": "i32", "max_ptr": "*fp32", "lse_ptr": "*fp32", "s_kv": "i32",
+    "topk": "i32", "h_q": "i32", "sm_scale_log2": "fp32",
+}
 _ALIGNED = {"q_ptr", "out_ptr", "lse_ptr", "sink_ptr", "po_ptr", "plse_ptr", "rec_ptr", "kc_ptr", "idx_ptr",
             "len_ptr", "ec_ptr", "eidx_ptr", "elen_ptr", "kc_stride", "ec_stride", "q_sb", "q_ss", "q_sh",
-            "idx_sb", "idx_ss", "eidx_sb", "eidx_ss"}
+            "idx_sb", "idx_ss", "eidx_sb", "eidx_ss", "kv_ptr", "kv_ss", "out_ss", "out_sh", "max_ptr"}
 
 
 def _kernel(name: str):
@@ -48,7 +55,7 @@ def _kernel(name: str):
 
         return gluon_portable_kernel, True
     return {"tl_dot_decode_kernel": tl_dot.tl_dot_decode_kernel, "simt_decode_kernel": simt.simt_decode_kernel,
-            "combine_kernel": combine.combine_kernel}[name], False
+            "combine_kernel": combine.combine_kernel, "sparse_prefill_kernel": prefill.sparse_prefill_kernel}[name], False
 
 
 def _compile_in_process(kernel_name: str, arch: int, constexprs: dict, num_warps: int, num_stages: int,
@@ -64,7 +71,7 @@ def _compile_in_process(kernel_name: str, arch: int, constexprs: dict, num_warps
         from triton.experimental.gluon._runtime import GluonASTSource as ASTSource  # noqa: F811
     sig, attrs = {}, {}
     constexprs = dict(constexprs)
-    all_types = {**_DECODE_TYPES, **(types or {})}
+    all_types = {**(_PREFILL_TYPES if kernel_name == "sparse_prefill_kernel" else _DECODE_TYPES), **(types or {})}
     for i, name in enumerate(kernel.arg_names):      # constexprs left out take their defaults
         if name not in constexprs and name not in all_types:
             constexprs[name] = kernel.params[i].default
@@ -274,3 +281,16 @@ def shipped_variants(arch: int, v32: bool = False) -> list[dict]:
     if arch == 90 and not v32:
         out += [gluon_variant(form) for form in GLUON_FORMS]
     return out
+
+
+def prefill_variant(arch: int, cfg, d_qk: int = 576, loops: bool = True) -> dict:
+    """The sparse prefill kernel's variant for ``arch`` under a
+    :class:`~mla.configs.PrefillConfig` (sink and lengths on, the config's operand type)."""
+    return {"kernel": "sparse_prefill_kernel", "arch": arch, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+            "loops": loops, "constexprs": {"D_QK": d_qk, "HAS_SINK": True, "HAS_LEN": True, "BLOCK_H": cfg.block_h,
+                                           "BLOCK_N": cfg.block_n, "DOT": cfg.dot}}
+
+
+def shipped_prefill_variants(arch: int) -> list[dict]:
+    """The prefill variants ``mla`` may launch on ``arch``: its config at d_qk 512 and 576."""
+    return [prefill_variant(arch, configs.prefill_config(arch), d_qk) for d_qk in prefill.D_QKS]

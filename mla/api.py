@@ -22,10 +22,10 @@ import math
 
 import torch
 
-from . import _runtime, dispatch
+from . import _runtime, configs, dispatch
 from .kernels import writer
 from .layout import D_QK, D_V, PAST_STORAGE, TOKEN_BYTES, V32, check_cache, fail, layout_for_head_dim, span_bytes
-from .reference import sparse_decode_reference
+from .reference import sparse_decode_reference, sparse_prefill_reference
 
 IMPLS = ("auto", "mma", "simt", "reference")
 MAX_HEADS = 128
@@ -76,6 +76,13 @@ def _check_vector(t, arg, n, dtype, what, device):
     _check_layout(t, arg, last_contiguous=False)
 
 
+def _check_scale(value, arg):
+    if isinstance(value, (torch.Tensor, bool)) or not isinstance(value, (int, float)):
+        fail(arg, f"expected a Python float, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        fail(arg, f"expected a finite float > 0, got {value!r}")
+
+
 def check_inputs(q, k_cache, indices, softmax_scale=None, attn_sink=None, topk_length=None,
                  extra_k_cache=None, extra_indices=None, extra_topk_length=None, impl="auto"):
     """Every argument check of the contract; raises ValueError naming the argument. q's head dim
@@ -102,10 +109,7 @@ def check_inputs(q, k_cache, indices, softmax_scale=None, attn_sink=None, topk_l
         fail("k_cache", f"device mismatch: on {k_cache.device}, q is on {dev}")
     _check_indices(indices, "indices", b, s_q, dev)
     if softmax_scale is not None:
-        if isinstance(softmax_scale, (torch.Tensor, bool)) or not isinstance(softmax_scale, (int, float)):
-            fail("softmax_scale", f"expected a Python float, got {type(softmax_scale).__name__}")
-        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
-            fail("softmax_scale", f"expected a finite float > 0, got {softmax_scale!r}")
+        _check_scale(softmax_scale, "softmax_scale")
     if attn_sink is not None:
         _check_vector(attn_sink, "attn_sink", h_q, torch.float32, "h_q", dev)
     if topk_length is not None:
@@ -447,5 +451,125 @@ def write_kv(kv, k_cache, slot_mapping) -> None:
                     slot_mapping.contiguous(), v32=layout is V32)
 
 
-__all__ = ["IMPLS", "MAX_HEADS", "Plan", "TOKEN_BYTES", "check_cache", "check_inputs", "plan", "resolve_impl",
-           "sparse_decode", "write_kv"]
+PREFILL_IMPLS = ("auto", "mma", "reference")
+#: the head dims of the prefill's q and kv: DeepSeek-V4's 512 (V is all of it) and V3.2's 576 (V
+#: is its first 512 columns)
+PREFILL_D_QK = (512, 576)
+
+
+def _check_tensor(t, arg, dtype, dims):
+    """A tensor of ``dtype`` and rank ``len(dims)`` (``dims`` names them, for the message)."""
+    if not isinstance(t, torch.Tensor):
+        fail(arg, f"expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        fail(arg, f"expected dtype {dtype}, got {t.dtype}")
+    if t.dim() != len(dims):
+        fail(arg, f"expected rank {len(dims)} [{', '.join(dims)}], got rank {t.dim()}")
+
+
+def check_prefill_inputs(q, kv, indices, sm_scale, d_v=D_V, attn_sink=None, topk_length=None, out=None,
+                         impl="auto"):
+    """Every argument check of the sparse prefill (FlashMLA's ``sparse_fwd.h`` checks, as
+    ValueErrors naming the argument): dtypes, ranks, shapes, d_qk 512 or 576, d_v 512, one KV head
+    (FlashMLA's kernels assert h_kv == 1, so h_q is a multiple of it), 1 <= h_q <= 128, the sink
+    and length shapes, the devices, and a last dim that is contiguous."""
+    if impl not in PREFILL_IMPLS:
+        fail("impl", f"expected one of {PREFILL_IMPLS}, got {impl!r}")
+    _check_tensor(q, "q", torch.bfloat16, ("s_q", "h_q", "d_qk"))
+    _check_layout(q, "q")
+    s_q, h_q, d_qk = q.shape
+    if d_qk not in PREFILL_D_QK:
+        fail("q", f"expected head dim d_qk in {PREFILL_D_QK}, got {d_qk}")
+    if s_q < 1:
+        fail("q", f"expected s_q >= 1, got shape {tuple(q.shape)}")
+    if not 1 <= h_q <= MAX_HEADS:
+        fail("q", f"expected 1 <= h_q <= {MAX_HEADS}, got {h_q}")
+    dev = q.device
+    _check_tensor(kv, "kv", torch.bfloat16, ("s_kv", "h_kv", "d_qk"))
+    _check_layout(kv, "kv")
+    s_kv, h_kv, d_kv = kv.shape
+    if d_kv != d_qk:
+        fail("kv", f"head dim mismatch: kv has {d_kv}, q has {d_qk}")
+    if h_kv < 1 or h_q % h_kv:
+        fail("kv", f"h_q = {h_q} must be a multiple of h_kv = {h_kv}")
+    if h_kv != 1:
+        fail("kv", f"expected h_kv = 1 (one latent KV head, as FlashMLA's kernels assert), got {h_kv}")
+    if s_kv < 1:
+        fail("kv", f"expected s_kv >= 1, got shape {tuple(kv.shape)}")
+    if kv.device != dev:
+        fail("kv", f"device mismatch: on {kv.device}, q is on {dev}")
+    _check_tensor(indices, "indices", torch.int32, ("s_q", "h_kv", "topk"))
+    if indices.shape[0] != s_q or indices.shape[1] != h_kv:
+        fail("indices", f"expected [s_q, h_kv, topk] = [{s_q}, {h_kv}, topk] to match q and kv, got "
+                        f"{tuple(indices.shape)}")
+    if indices.shape[2] < 1:
+        fail("indices", "topk must be >= 1")
+    if indices.device != dev:
+        fail("indices", f"device mismatch: on {indices.device}, q is on {dev}")
+    _check_layout(indices, "indices")
+    _check_scale(sm_scale, "sm_scale")
+    if isinstance(d_v, bool) or d_v != D_V:
+        fail("d_v", f"must be {D_V}, got {d_v!r}")
+    if attn_sink is not None:
+        _check_vector(attn_sink, "attn_sink", h_q, torch.float32, "h_q", dev)
+    if topk_length is not None:
+        _check_vector(topk_length, "topk_length", s_q, torch.int32, "s_q", dev)
+    if out is not None:
+        _check_tensor(out, "out", torch.bfloat16, ("s_q", "h_q", str(D_V)))
+        if out.shape != (s_q, h_q, D_V) or out.device != dev:
+            fail("out", f"expected a torch.bfloat16 tensor of shape {(s_q, h_q, D_V)} on {dev}, got {out.dtype} "
+                        f"{tuple(out.shape)} on {out.device}")
+        _check_layout(out, "out")
+
+
+def sparse_prefill(q, kv, indices, sm_scale, d_v=D_V, attn_sink=None, topk_length=None, *, out=None, impl="auto",
+                   config=None):
+    """Sparse MLA prefill over a bf16 ``kv`` (FlashMLA's ``flash_mla_sparse_fwd``: its arguments,
+    checks and outputs, as ``tests/ref.py`` defines them).
+
+    Args:
+        q: ``[s_q, h_q, d_qk]`` bf16, d_qk 512 (DeepSeek-V4) or 576 (V3.2), 1 <= h_q <= 128.
+        kv: ``[s_kv, 1, d_qk]`` bf16, one latent KV head; V is its first 512 columns.
+        indices: ``[s_q, 1, topk]`` int32; an index below 0 or at or past s_kv is invalid and
+            never read.
+        sm_scale: the scale of q.k before the softmax.
+        d_v: 512 (the only value FlashMLA takes).
+        attn_sink: ``[h_q]`` fp32; the output is multiplied by ``1 / (1 + exp(sink - lse))``
+            (+inf gives zeros, -inf no effect); lse and max_logits are not affected.
+        topk_length: ``[s_q]`` int32; positions ``>= topk_length[s]`` are invalid (never read,
+            whatever the rows they name hold).
+        out: ``[s_q, h_q, 512]`` bf16, written in place when given (any strides with a
+            contiguous last dim, such as a slice of a larger buffer).
+        impl: ``"auto"``, ``"mma"`` (the Triton kernel, :mod:`mla.kernels.prefill`) or
+            ``"reference"`` (plain PyTorch in float32).
+        config: a :class:`mla.configs.PrefillConfig` to launch instead of the device's (tests,
+            experiments; ``impl="mma"`` only).
+
+    Returns:
+        ``(out [s_q, h_q, 512] bf16, max_logits [s_q, h_q] fp32, lse [s_q, h_q] fp32)``:
+        max_logits and lse are the max and the logsumexp of the scaled scores over the valid
+        positions (natural log); a query head with no valid position gets out 0, max_logits
+        -inf and lse +inf.
+    """
+    check_prefill_inputs(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, impl)
+    impl = resolve_impl(impl, q.device)
+    if config is not None and (impl != "mma" or not isinstance(config, configs.PrefillConfig)):
+        fail("config", f"expected a mla.configs.PrefillConfig with impl 'mma', got {config!r} with impl {impl!r}")
+    s_q, h_q, _ = q.shape
+    if out is None:
+        out = torch.empty(s_q, h_q, D_V, dtype=torch.bfloat16, device=q.device)
+    max_logits = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
+    lse = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
+    if impl == "mma":
+        dispatch.run_prefill(q, kv, indices, sm_scale, attn_sink, topk_length, out, max_logits, lse, config)
+    else:
+        ref_out, ref_max, ref_lse = sparse_prefill_reference(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
+                                                             dtype=torch.float32)
+        out.copy_(ref_out)
+        max_logits.copy_(ref_max)
+        lse.copy_(ref_lse)
+    return out, max_logits, lse
+
+
+__all__ = ["IMPLS", "MAX_HEADS", "PREFILL_IMPLS", "Plan", "TOKEN_BYTES", "check_cache", "check_inputs",
+           "check_prefill_inputs", "plan", "resolve_impl", "sparse_decode", "sparse_prefill", "write_kv"]

@@ -7,6 +7,9 @@ refuses to run under Triton's CPU interpreter: an interpreter timing means nothi
 imports, ``flashmla`` (DeepSeek's FlashMLA, timed in the same run under the same protocol).
 ``python -m mla.bench --compare A.json B.json`` compares two such files (no GPU needed): the ratio
 of CUDA-graph times, B over A, per shape, batch and impl.
+``python -m mla.bench --prefill`` times the sparse prefill (:func:`mla.sparse_prefill`, and
+FlashMLA's ``flash_mla_sparse_fwd`` where it imports) over its grid into
+``results/<gpu-slug>/prefill.json``.
 ``python -m mla.bench --host`` measures the Python a call costs before its launches (on any
 machine: the launches are stubbed), with a plan and without one.
 """
@@ -667,6 +670,186 @@ def sweep_summary(doc: dict, impl: str = "mma") -> dict:
 
 
 # --------------------------------------------------------------------------------------------
+# The sparse prefill (FlashMLA's flash_mla_sparse_fwd), beside FlashMLA's where it imports
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrefillShape:
+    """One point of the prefill's grid: every position valid, a sink per head, no topk_length
+    (FlashMLA's performance cases)."""
+
+    s_q: int
+    s_kv: int
+    h_q: int
+    topk: int
+    d_qk: int
+
+    @property
+    def name(self) -> str:
+        return "prefill V3.2" if self.d_qk == 576 else "prefill V4"
+
+
+#: "mma": mla's prefill as it ships (fp16 operands); "mma-bf16": with bf16 operands, FlashMLA's
+#: rounding of P (:class:`mla.configs.PrefillConfig`'s ``dot``); "flashmla": FlashMLA's own
+PREFILL_IMPLS = ("mma", "mma-bf16", "flashmla")
+
+
+def prefill_shapes() -> list[PrefillShape]:
+    """The prefill's grid (issue #53): h_q 64 and 128, d_qk 512 and 576, top-k 512, 1024 and
+    2048, s_q 1024 and 4096, s_kv 8192 and 32768: 48 points, in the order of their FLOPs (the
+    cheapest first), so that a time budget cuts the costliest."""
+    grid = [PrefillShape(s_q, s_kv, h_q, topk, d_qk) for h_q in (64, 128) for d_qk in (512, 576)
+            for s_q in (1024, 4096) for topk in (512, 1024, 2048) for s_kv in (8192, 32768)]
+    return sorted(grid, key=prefill_flops)
+
+
+def prefill_flops(s: PrefillShape) -> int:
+    """2 * s_q * h_q * topk * (d_qk for Q.K^T + 512 for P.V), FlashMLA's count."""
+    return 2 * s.s_q * s.h_q * s.topk * (s.d_qk + 512)
+
+
+def prefill_bytes(s: PrefillShape) -> int:
+    """Bytes that must move: each query's gathered rows (bf16, d_qk wide) and their indices, q
+    and out (bf16), max_logits and lse (fp32)."""
+    return s.s_q * s.topk * (2 * s.d_qk + 4) + s.s_q * s.h_q * ((s.d_qk + 512) * 2 + 8)
+
+
+def prefill_record(s: PrefillShape, impl: str, us_graph: float, us_do_bench: float | None, ceil: dict) -> dict:
+    """One prefill record: the CUDA-graph and do_bench medians, TFLOP/s, GB/s and the roofline
+    fraction against this card's measured ceilings."""
+    t = us_graph * 1e-6
+    floor = max(prefill_bytes(s) / (ceil["copy_gbps"] * 1e9), prefill_flops(s) / (ceil["matmul_tflops"] * 1e12))
+    return {"shape": s.name, "s_q": s.s_q, "s_kv": s.s_kv, "h_q": s.h_q, "topk": s.topk, "d_qk": s.d_qk,
+            "impl": impl, "us_graph": round(us_graph, 2),
+            "us_do_bench": None if us_do_bench is None else round(us_do_bench, 2),
+            "tflops": round(prefill_flops(s) / t / 1e12, 2), "gbps": round(prefill_bytes(s) / t / 1e9, 1),
+            "roofline": round(floor / t, 4)}
+
+
+def random_unique_indices(s_q: int, s_kv: int, topk: int, device, generator=None, rows: int = 256) -> torch.Tensor:
+    """``[s_q, 1, topk]`` int32: for each query token ``topk`` distinct tokens of ``[0, s_kv)``
+    in random order (as FlashMLA's test draws them), ``rows`` tokens at a time."""
+    out = torch.empty(s_q, 1, topk, dtype=torch.int32, device=device)
+    for lo in range(0, s_q, rows):
+        hi = min(s_q, lo + rows)
+        r = torch.rand(hi - lo, s_kv, device=device, generator=generator)
+        out[lo:hi, 0] = r.topk(topk, dim=-1, sorted=False).indices.to(torch.int32)
+    return out
+
+
+class PrefillCase:
+    """Inputs of one prefill point, drawn as FlashMLA's test draws them, with ``n_sets`` index
+    sets (the CUDA graph holds one call per set)."""
+
+    def __init__(self, s: PrefillShape, device, n_sets: int = 4, seed: int = 0):
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.shape = s
+        self.q = (torch.randn(s.s_q, s.h_q, s.d_qk, device=device, generator=g) / 10).bfloat16()
+        self.kv = (torch.randn(s.s_kv, 1, s.d_qk, device=device, generator=g) / 10).bfloat16()
+        self.sink = torch.randn(s.h_q, device=device, generator=g)
+        self.index_sets = [random_unique_indices(s.s_q, s.s_kv, s.topk, device, g) for _ in range(n_sets)]
+        self.sm_scale = s.d_qk ** -0.5
+
+    def caller(self, impl: str):
+        """``f(i)``: one call of ``impl`` (:data:`PREFILL_IMPLS`: :func:`mla.sparse_prefill`
+        with the device's config, the same with bf16 operands, or FlashMLA's own
+        ``flash_mla_sparse_fwd``) on index set ``i``."""
+        if impl == "flashmla":
+            if flash_mla is None:
+                raise RuntimeError("impl 'flashmla': the flash_mla extension does not import here")
+            fn = flash_mla.flash_mla_sparse_fwd
+        elif impl in ("mma", "mma-bf16"):
+            cfg = dispatch.prefill_config(self.q.device, self.shape.h_q)
+            if impl == "mma-bf16":
+                cfg = dataclasses.replace(cfg, dot="bfloat16")
+            fn = functools.partial(api.sparse_prefill, config=cfg)
+            fn.config = cfg
+        else:
+            raise ValueError(f"impl: expected one of {PREFILL_IMPLS}, got {impl!r}")
+        call = lambda i: fn(self.q, self.kv, self.index_sets[i], self.sm_scale, 512, self.sink)  # noqa: E731
+        call.config = getattr(fn, "config", None)
+        return call
+
+
+def prefill(shapes=None, impls=None, out_dir="results", name="prefill", budget_s: float = 150.0, n_sets: int = 4,
+            progress=True) -> dict:
+    """Time the sparse prefill at ``shapes`` (default :func:`prefill_shapes`) for ``impls``
+    (:data:`PREFILL_IMPLS`; "flashmla" where its package imports), one after another on the same
+    inputs: the CUDA-graph median per call over ``n_sets`` index sets (:func:`time_graph`) and
+    do_bench's median (:func:`time_do_bench`), both after a warm-up; no point starts after
+    ``budget_s`` seconds (``remaining`` counts those left). Writes
+    ``<out_dir>/<gpu-slug>/<name>.json`` with the project's provenance. A FlashMLA call that
+    fails (its extension runs on sm_90 and sm_100 only) is left out, with its error in
+    ``skipped``."""
+    t0 = time.time()
+    if _interpreting():
+        raise RuntimeError(_refusal())
+    if not torch.cuda.is_available():
+        raise RuntimeError("mla.bench: no CUDA GPU found")
+    shapes = list(prefill_shapes() if shapes is None else shapes)
+    impls = tuple(i for i in (PREFILL_IMPLS if impls is None else impls) if i != "flashmla" or flash_mla is not None)
+    unknown = set(impls) - set(PREFILL_IMPLS)
+    if unknown:
+        raise ValueError(f"impls: unknown {sorted(unknown)}; known: {PREFILL_IMPLS}")
+    dev = torch.device("cuda")
+    ceil = ceilings(dev)
+    records, skipped, done = [], [], 0
+    bar = _progress_bar(len(shapes), progress)
+    for s in shapes:
+        if time.time() - t0 > budget_s:
+            break
+        case = PrefillCase(s, dev, n_sets=n_sets)
+        for impl in impls:
+            call = case.caller(impl)
+            try:
+                rec = prefill_record(s, impl, time_graph(case, call), time_do_bench(case, call), ceil)
+            except RuntimeError as e:          # FlashMLA off sm_90 / sm_100
+                skipped.append({**dataclasses.asdict(s), "impl": impl, "error": str(e)[:300]})
+                continue
+            if call.config is not None:
+                rec["config"] = dataclasses.asdict(call.config)
+            records.append(rec)
+        done += 1
+        bar.update(1)
+        del case
+        torch.cuda.empty_cache()
+    bar.close()
+    result = {"provenance": provenance(ceil), "records": records, "skipped": skipped,
+              "remaining": len(shapes) - done, "seconds": round(time.time() - t0, 1)}
+    return write_result(result, out_dir, name)
+
+
+def write_result(result: dict, out_dir, name: str) -> dict:
+    """Write ``result`` (with its ``provenance``) to ``<out_dir>/<gpu-slug>/<name>.json``;
+    returns it with ``path`` added."""
+    path = pathlib.Path(out_dir) / gpu_slug(result["provenance"]["gpu"]) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    result["path"] = str(path)
+    return result
+
+
+def prefill_table(records) -> str:
+    """Plain text of the prefill records: us per call (CUDA graph) per point and impl, and
+    mla's time over FlashMLA's where both ran."""
+    from rich.table import Table
+
+    t = Table(title="sparse prefill, us per call (CUDA graph)")
+    for col in ("d_qk", "h_q", "s_q", "topk", "s_kv", "impl", "us", "TFLOP/s", "GB/s", "/ FlashMLA"):
+        t.add_column(col, justify="left" if col == "impl" else "right")
+    by = {(r["d_qk"], r["h_q"], r["s_q"], r["topk"], r["s_kv"], r["impl"]): r for r in records}
+    for (d, h, sq, k, skv, impl), r in by.items():
+        f = by.get((d, h, sq, k, skv, "flashmla"))
+        ratio = f"{r['us_graph'] / f['us_graph']:.2f}" if f is not None and impl != "flashmla" else ""
+        t.add_row(str(d), str(h), str(sq), str(k), str(skv), impl, f"{r['us_graph']:.1f}", f"{r['tflops']:.0f}",
+                  f"{r['gbps']:.0f}", ratio)
+    con = _console(120)
+    con.print(t)
+    return con.export_text()
+
+
+# --------------------------------------------------------------------------------------------
 # The host's share of a call: Python before the launches, with the launches stubbed
 # --------------------------------------------------------------------------------------------
 
@@ -996,11 +1179,7 @@ def serving_record(out_dir="results", name="serving") -> dict:
               "compiles": {"predicted": {k: [list(x) for x in v] for k, v in predicted_variants(h200=False).items()},
                            "measured": count_compiles()},
               "host": host_cost(h200=False, device=dev)}
-    path = pathlib.Path(out_dir) / gpu_slug(result["provenance"]["gpu"]) / f"{name}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    result["path"] = str(path)
-    return result
+    return write_result(result, out_dir, name)
 
 
 def host_table(rows) -> str:
@@ -1055,7 +1234,12 @@ def main(argv=None) -> int:
                     help="with --sweep: only the points of these head counts (repeatable)")
     ap.add_argument("--v32", action="store_true",
                     help="with --sweep: DeepSeek-V3.2's cache (v32_sweep_shapes) into <out>/<gpu-slug>/sweep_v32.json")
-    ap.add_argument("--budget-s", type=float, default=540.0, help="the sweep's seconds per part (default 540)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="the sweep's seconds per part (default 540); the prefill's seconds in all (default 150)")
+    ap.add_argument("--prefill", action="store_true",
+                    help="time the sparse prefill (mla.sparse_prefill, and FlashMLA's flash_mla_sparse_fwd where it "
+                         "imports) over h_q 64/128, d_qk 512/576, top-k 512/1024/2048, s_q 1024/4096, s_kv "
+                         "8192/32768 into <out>/<gpu-slug>/prefill.json; no point starts after --budget-s")
     ap.add_argument("--host", action="store_true",
                     help="only measure the Python per call before the launches (launches stubbed, the launch "
                          "rule planning as on an H200), with a plan and without one; needs no GPU")
@@ -1084,7 +1268,7 @@ def main(argv=None) -> int:
             shapes = [s for s in grid if s.h_q in a.h_q] if a.h_q else grid
             impls = tuple(a.impl) if a.impl else (("mma", "flashmla") if a.v32 else SWEEP_IMPLS)
             doc = sweep(shapes, impls=impls, out_dir=a.out, name="sweep_v32" if a.v32 else "sweep",
-                        budget_s=a.budget_s, progress=not a.no_progress)
+                        budget_s=540.0 if a.budget_s is None else a.budget_s, progress=not a.no_progress)
         except RuntimeError as e:
             print(e, file=sys.stderr)
             return 2
@@ -1092,6 +1276,16 @@ def main(argv=None) -> int:
             for h, (n, gm, worst) in sweep_summary(doc, impl).items():
                 print(f"{impl} h_q {h}: {n} points, geometric mean {gm:.2f}x FlashMLA, worst {worst:.2f}x")
         print(f"wrote {doc['path']} ({doc['remaining']} points remaining)")
+        return 0
+    if a.prefill:
+        if _interpreting() or not torch.cuda.is_available():
+            print(_refusal(), file=sys.stderr)
+            return 2
+        impls = tuple(i for i in (a.impl or PREFILL_IMPLS) if i in PREFILL_IMPLS)
+        res = prefill(impls=impls, out_dir=a.out, budget_s=150.0 if a.budget_s is None else a.budget_s,
+                      progress=not a.no_progress)
+        print(prefill_table(res["records"]))
+        print(f"wrote {res['path']} ({res['remaining']} points remaining, {len(res['skipped'])} calls skipped)")
         return 0
     if a.host:
         shapes = [s for s in spec_shapes() if (not a.shape or s.name in a.shape) and (not a.b or s.b in a.b)]

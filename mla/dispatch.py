@@ -28,8 +28,8 @@ import triton
 from triton.compiler import CompiledKernel
 
 from . import _runtime, configs, schedule
-from .configs import GLUON_FORMS, GluonConfig, PortableConfig, TlDotConfig
-from .kernels import combine, cross_arch, tl_dot
+from .configs import GLUON_FORMS, GluonConfig, PortableConfig, PrefillConfig, TlDotConfig
+from .kernels import combine, cross_arch, prefill, tl_dot
 from .kernels.common import LOG2E, fp8_native
 from .kernels.simt import simt_sparse_decode
 from .layout import D_V, MODEL1, V32, CacheLayout, cache_layout, fail
@@ -577,3 +577,30 @@ def run_simt(q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k
     """Launch the SIMT baseline into ``out`` and ``lse``."""
     simt_sparse_decode(q, k_cache, indices, softmax_scale, attn_sink, topk_length, extra_k_cache, extra_indices,
                        extra_topk_length, out=out, lse=lse)
+
+
+def prefill_config(device: torch.device, h_q: int) -> PrefillConfig:
+    """The sparse prefill's config for h_q on ``device``: its architecture's
+    (:func:`mla.configs.prefill_config`), the interpreter's off a GPU, sized for h_q's head block."""
+    if _runtime.INTERPRET or device.type != "cuda":
+        return configs.PREFILL_INTERPRETER.for_heads(h_q)
+    major, minor = torch.cuda.get_device_capability(device)
+    return configs.prefill_config(10 * major + minor).for_heads(h_q)
+
+
+def run_prefill(q, kv, indices, sm_scale, attn_sink, topk_length, out, max_logits, lse, config=None) -> None:
+    """Launch the sparse prefill (:mod:`mla.kernels.prefill`) into ``out``, ``max_logits`` and
+    ``lse``, with ``config`` (a :class:`~mla.configs.PrefillConfig`) or the device's. The
+    arguments are checked (:func:`mla.api.check_prefill_inputs`); ``kv`` and ``indices`` have one
+    KV head."""
+    s_q, h_q, d_qk = q.shape
+    cfg = (config or prefill_config(q.device, h_q)).for_heads(h_q)
+    grid, kw = prefill.launch_params(s_q, h_q, d_qk, block_h=cfg.block_h, block_n=cfg.block_n,
+                                     num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                     dot=prefill.operand_dtype(cfg.dot))
+    sink = attn_sink if attn_sink is not None else lse          # a stand-in pointer, never read
+    length = topk_length if topk_length is not None else indices
+    prefill.sparse_prefill_kernel[grid](
+        q, q.stride(0), q.stride(1), kv, kv.stride(0), indices, indices.stride(0), length, length.stride(0), sink,
+        sink.stride(0), out, out.stride(0), out.stride(1), max_logits, lse, kv.shape[0], indices.shape[-1], h_q,
+        float(sm_scale) * LOG2E, HAS_SINK=attn_sink is not None, HAS_LEN=topk_length is not None, **kw)

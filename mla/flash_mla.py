@@ -20,6 +20,9 @@ every call: the calls of one metadata object must run in order on one stream, as
 step do (make one per stream otherwise). Under ``torch.compile`` the call is the custom op
 ``torch.ops.mla.sparse_decode`` (it plans for itself; the metadata object is only checked for its
 type), so a compiled step traces through it without a graph break.
+
+``flash_mla_sparse_fwd``, FlashMLA's sparse prefill over a bf16 ``kv`` (d_qk 512 or 576), is
+:func:`mla.sparse_prefill` under FlashMLA's signature.
 """
 from __future__ import annotations
 
@@ -149,4 +152,15 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     return api.planned_call(plan, sig, *args, out, None)
 
 
-__all__ = ["FlashMLASchedMeta", "get_mla_metadata", "flash_mla_with_kvcache"]
+def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None, out=None):
+    """FlashMLA's sparse prefill, ``flash_mla_sparse_fwd``: its names, order, defaults and
+    semantics (:func:`mla.sparse_prefill`; bad input is a ValueError naming the argument where
+    FlashMLA's extension fails a check). ``q [s_q, h_q, d_qk]`` and ``kv [s_kv, 1, d_qk]`` bf16
+    with d_qk 512 or 576, ``indices [s_q, 1, topk]`` int32, ``attn_sink [h_q]`` fp32,
+    ``topk_length [s_q]`` int32; ``out`` (as vLLM's copy of the interface takes it) is written in
+    place. Returns ``(out [s_q, h_q, 512] bf16, max_logits [s_q, h_q], lse [s_q, h_q])``, fp32, as
+    FlashMLA's ``tests/ref.py`` defines them."""
+    return api.sparse_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out=out)
+
+
+__all__ = ["FlashMLASchedMeta", "get_mla_metadata", "flash_mla_with_kvcache", "flash_mla_sparse_fwd"]

@@ -73,3 +73,49 @@ def sparse_decode_reference(q, k_cache, indices, softmax_scale=None, attn_sink=N
         outs.append(out.to(out_dtype))
         lses.append(lse.permute(0, 2, 1).float())
     return torch.cat(outs, 0), torch.cat(lses, 0)
+
+
+def sparse_prefill_reference(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None, *,
+                             dtype=torch.float64, out_dtype=torch.bfloat16, chunk=None):
+    """Reference sparse prefill (FlashMLA's ``flash_mla_sparse_fwd``), arguments as
+    :func:`mla.sparse_prefill` (not re-checked here): ``q [s_q, h_q, d_qk]``, ``kv [s_kv, 1,
+    d_qk]``, ``indices [s_q, 1, topk]``; V is the first ``d_v`` columns of ``kv``.
+
+    A position is valid when its index is in ``[0, s_kv)`` and, with ``topk_length``, it comes
+    before ``topk_length[s]``. Over the valid positions, scores = q.k * sm_scale; ``max_logits``
+    is their max and ``lse`` their logsumexp (natural log of the scaled scores, without the
+    sink); ``out`` = softmax @ V times ``1 / (1 + exp(sink - lse))``. A query head with no valid
+    token gets out 0, max_logits -inf and lse +inf. Returns ``(out [s_q, h_q, d_v] out_dtype,
+    max_logits [s_q, h_q] fp32, lse [s_q, h_q] fp32)``; ``dtype`` is the compute precision and
+    ``chunk`` the query tokens gathered at once (it bounds the gather's memory).
+    """
+    s_q, h_q, d_qk = q.shape
+    s_kv, topk = kv.shape[0], indices.shape[-1]
+    idx = indices.reshape(s_q, topk)
+    if chunk is None:
+        chunk = max(1, (1 << 28) // max(1, topk * d_qk * torch.finfo(dtype).bits // 8))
+    pos = torch.arange(topk, device=idx.device)
+    kv2 = kv.reshape(s_kv, d_qk)
+    outs, maxes, lses = [], [], []
+    for lo in range(0, s_q, chunk):
+        hi = min(s_q, lo + chunk)
+        valid = (idx[lo:hi] >= 0) & (idx[lo:hi] < s_kv)                          # [n, topk]
+        if topk_length is not None:
+            valid &= pos.view(1, topk) < topk_length[lo:hi].view(-1, 1)
+        safe = torch.where(valid, idx[lo:hi], torch.zeros_like(idx[lo:hi])).long()
+        k = kv2[safe].to(dtype)                                                    # [n, topk, d_qk]
+        # 0 * NaN is NaN: a masked token must contribute an exact zero, whatever its row holds.
+        k = torch.where(valid[..., None], k, torch.zeros((), dtype=dtype, device=k.device))
+        scores = torch.einsum("shd,std->sht", q[lo:hi].to(dtype), k) * float(sm_scale)
+        scores = scores.masked_fill(~valid[:, None, :], -math.inf)
+        m = scores.amax(-1)                                                        # -inf where empty
+        lse = torch.logsumexp(scores, -1)
+        empty = ~valid.any(-1)[:, None].expand(-1, h_q)
+        lse_safe = torch.where(empty, torch.zeros_like(lse), lse)
+        out = torch.einsum("sht,std->shd", torch.exp(scores - lse_safe[..., None]), k[..., :d_v])
+        if attn_sink is not None:
+            out = out / (1.0 + torch.exp(attn_sink.to(dtype).view(1, h_q) - lse_safe))[..., None]
+        outs.append(torch.where(empty[..., None], torch.zeros_like(out), out).to(out_dtype))
+        maxes.append(m.float())
+        lses.append(torch.where(empty, torch.full_like(lse, math.inf), lse).float())
+    return torch.cat(outs), torch.cat(maxes), torch.cat(lses)

@@ -1,5 +1,6 @@
 """mla.bench on the CPU: the command line, the byte and FLOP counts, the record arithmetic, the
-SPEC's shapes, the GPU slug and the comparison of two results. Nothing here times anything."""
+SPEC's shapes, the GPU slug and the comparison of two results, and the same for the sparse
+prefill's mode. Nothing here times anything."""
 import dataclasses
 import json
 import math
@@ -9,7 +10,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+import mla
 from mla import bench
 from mla.layout import TOKEN_BYTES
 
@@ -286,3 +289,85 @@ def test_the_v32_sweep_counts_its_own_bytes_and_flops():
     assert bench.record(s, "mma", 10.0, None, ceil)["d_qk"] == 576 and "d_qk" not in bench.record(m1, "mma", 10.0,
                                                                                                    None, ceil)
     assert {(x.h_q, x.s_q) for x in bench.v32_sweep_shapes()} == {(64, 1), (64, 2), (128, 1), (128, 2)}
+
+
+# ---------------------------------------------------------------------------------------------
+# --prefill: the sparse prefill's timing (GPU only); its grid, arithmetic and records here
+# ---------------------------------------------------------------------------------------------
+
+
+def test_cli_prefill_refuses_under_the_interpreter(tmp_path):
+    p = _cli("--prefill", "--out", str(tmp_path), env_extra={"TRITON_INTERPRET": "1"})
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+    assert "refusing to run under Triton's CPU interpreter" in p.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_prefill_refuses_under_the_interpreter(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(RuntimeError, match="interpreter"):
+        bench.prefill(bench.prefill_shapes()[:1], ("mma",), out_dir=str(tmp_path), progress=False)
+    assert not any(tmp_path.iterdir())
+
+
+def test_cli_help_names_prefill():
+    p = _cli("--help")
+    assert p.returncode == 0 and "--prefill" in p.stdout and "prefill.json" in p.stdout
+
+
+def test_prefill_grid():
+    got = bench.prefill_shapes()
+    keys = [(s.h_q, s.d_qk, s.topk, s.s_q, s.s_kv) for s in got]
+    assert sorted(keys) == sorted((h, d, k, sq, skv) for h in (64, 128) for d in (512, 576) for k in (512, 1024, 2048)
+                                  for sq in (1024, 4096) for skv in (8192, 32768))
+    assert len(set(keys)) == 48
+    flops = [bench.prefill_flops(s) for s in got]
+    assert flops == sorted(flops)                      # a time budget cuts the costliest points
+    assert got[-1] == bench.PrefillShape(4096, 32768, 128, 2048, 576)
+    assert {s.name for s in got} == {"prefill V4", "prefill V3.2"}
+
+
+def test_prefill_flops_and_bytes_by_hand():
+    # FlashMLA's V3.2 performance case: s_q 4096, h_q 128, top-k 2048, d_qk 576
+    #   FLOP   2 * 4096 * 128 * 2048 * (576 + 512)                     = 2_336_462_209_024
+    #   bytes  4096 * 2048 * (576 * 2 + 4)   gathered rows and indices = 9_697_230_848
+    #        + 4096 * 128 * ((576 + 512) * 2 + 8)   q, out, max, lse   = 1_145_044_992
+    s = bench.PrefillShape(4096, 32768, 128, 2048, 576)
+    assert bench.prefill_flops(s) == 2_336_462_209_024
+    assert bench.prefill_bytes(s) == 9_697_230_848 + 1_145_044_992
+    # MODEL1 CONFIG1: h_q 64, top-k 512, d_qk 512: 2 * 4096 * 64 * 512 * 1024 = 274_877_906_944
+    v4 = bench.PrefillShape(4096, 8192, 64, 512, 512)
+    assert bench.prefill_flops(v4) == 274_877_906_944
+    assert bench.prefill_bytes(v4) == 4096 * 512 * 1028 + 4096 * 64 * 2056
+
+
+def test_prefill_record_arithmetic_and_schema():
+    s = bench.PrefillShape(4096, 8192, 64, 512, 512)          # 274_877_906_944 FLOP, 2_694_840_320 bytes
+    # FLOP decide at 1000 TFLOP/s: 274.88 us; bytes at 4000 GB/s: 673.71 us; the floor is 673.71 us
+    r = bench.prefill_record(s, "mma", 1000.0, 1100.0, {"copy_gbps": 4000.0, "matmul_tflops": 1000.0})
+    assert r["tflops"] == round(274_877_906_944 / 1e-3 / 1e12, 2) == 274.88
+    assert r["gbps"] == round(2_694_840_320 / 1e-3 / 1e9, 1) == 2694.8
+    assert r["roofline"] == round(2_694_840_320 / 4e12 / 1e-3, 4) == 0.6737
+    assert set(r) == {"shape", "s_q", "s_kv", "h_q", "topk", "d_qk", "impl", "us_graph", "us_do_bench", "tflops",
+                      "gbps", "roofline"}
+    assert (r["shape"], r["us_graph"], r["us_do_bench"], r["impl"]) == ("prefill V4", 1000.0, 1100.0, "mma")
+
+
+def test_prefill_case_on_the_cpu():
+    # a case is built on any device; its indices are distinct per token and in range, and its
+    # "mma" caller is mla.sparse_prefill on them; FlashMLA's needs its extension
+    s = bench.PrefillShape(3, 100, 16, 64, 576)
+    case = bench.PrefillCase(s, "cpu", n_sets=2)
+    for idx in case.index_sets:
+        assert idx.shape == (3, 1, 64) and idx.dtype == torch.int32
+        assert all(len(set(row.tolist())) == 64 for row in idx[:, 0])
+        assert int(idx.min()) >= 0 and int(idx.max()) < 100
+    out, ml, lse = case.caller("mma")(1)
+    want = mla.sparse_prefill(case.q, case.kv, case.index_sets[1], 576 ** -0.5, attn_sink=case.sink)
+    assert all(torch.equal(a, b) for a, b in zip((out, ml, lse), want))
+    assert case.caller("mma").config.dot == "float16" and case.caller("mma-bf16").config.dot == "bfloat16"
+    if bench.flash_mla is None:
+        with pytest.raises(RuntimeError, match="flash_mla"):
+            case.caller("flashmla")
+    with pytest.raises(ValueError, match="impl"):
+        case.caller("simt")

@@ -1,5 +1,6 @@
 """GPU-only checks (skipped on the CPU). Run them on a GPU before calling a kernel done:
 ``pytest -m gpu``."""
+import dataclasses
 import functools
 
 import pytest
@@ -325,3 +326,87 @@ def test_a_call_on_strided_inputs_reads_them_in_place():
     dense = {k: (v.contiguous() if torch.is_tensor(v) else v) for k, v in case.items()}
     want_out, want_lse = mla.sparse_decode(**dense)
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+# ---------------------------------------------------------------------------------------------
+# The sparse prefill (FlashMLA's flash_mla_sparse_fwd)
+# ---------------------------------------------------------------------------------------------
+
+#: FlashMLA's prefill cases at their own sizes (tests/test_flash_mla_sparse_prefill.py): an
+#: irregular one with both features, one with top-k past s_kv, tokens with no valid position,
+#: tiles with none, and one at its performance cases' s_q
+PREFILL_SHAPES = {
+    "features 1840/256 s_q 213": dict(s_q=213, s_kv=1840, topk=256, h_q=128, sink=True, lengths=True),
+    "OOB 114/384 s_q 62": dict(s_q=62, s_kv=114, topk=384, h_q=64, sink=True, lengths=True),
+    "all invalid 4321/4096": dict(s_q=64, s_kv=4321, topk=4096, h_q=128, sink=True, lengths=True, empty_frac=0.5),
+    "empty tiles 64/8192": dict(s_q=32, s_kv=64, topk=8192, h_q=64, sink=True, lengths=True),
+    "V3.2-like s_q 1024": dict(s_q=1024, s_kv=8192, topk=2048, h_q=128, sink=True),
+    "h_q 40, N(0, 1)": dict(s_q=100, s_kv=3000, topk=640, h_q=40, sink=True, lengths=True, value_scale=1.0),
+}
+
+
+@pytest.mark.parametrize("d_qk", [512, 576])
+@pytest.mark.parametrize("name", list(PREFILL_SHAPES))
+def test_prefill_on_gpu(name, d_qk):
+    case = mla.validate.make_prefill_case(**PREFILL_SHAPES[name], d_qk=d_qk, device="cuda", seed=len(name))
+    for r in mla.validate.run_prefill_case(mla_flash_mla.flash_mla_sparse_fwd, case):
+        assert r.ok, str(r)
+
+
+@pytest.mark.parametrize("name", ["features 1840/256 s_q 213", "OOB 114/384 s_q 62"])
+def test_prefill_with_bf16_operands_on_flashmlas_data(name):
+    """PrefillConfig(dot="bfloat16"), FlashMLA's rounding of P, passes on FlashMLA's kind of data
+    (values about 0.1; on unit-variance data it would not: experiments/prefill_p_rounding.py)."""
+    cfg = dataclasses.replace(mla.dispatch.prefill_config(torch.device("cuda"), 128), dot="bfloat16")
+    case = mla.validate.make_prefill_case(**PREFILL_SHAPES[name], d_qk=576, device="cuda", seed=5)
+    for r in mla.validate.run_prefill_case(functools.partial(mla.sparse_prefill, config=cfg), case):
+        assert r.ok, str(r)
+
+
+def test_prefill_with_70000_query_tokens():
+    """FlashMLA's corner case: s_q 70000 does not fit grid axis 1 or 2 (65535); mla puts it on
+    axis 0. The first and last 256 tokens are checked against the reference."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    s_q, s_kv, topk, h_q = 70000, 256, 256, 128
+    q = (torch.randn(s_q, h_q, 512, device="cuda", generator=g) / 10).bfloat16()
+    kv = (torch.randn(s_kv, 1, 512, device="cuda", generator=g) / 10).bfloat16()
+    idx = torch.rand(s_q, s_kv, device="cuda", generator=g).argsort(-1)[:, None, :topk].int()
+    sink = torch.randn(h_q, device="cuda", generator=g)
+    length = torch.randint(0, topk + 1, (s_q,), device="cuda", generator=g, dtype=torch.int32)
+    out, ml, lse = mla_flash_mla.flash_mla_sparse_fwd(q, kv, idx, 0.5, attn_sink=sink, topk_length=length)
+    for rows in (slice(0, 256), slice(s_q - 256, s_q)):
+        ref = mla.sparse_prefill_reference(q[rows], kv, idx[rows], 0.5, attn_sink=sink, topk_length=length[rows],
+                                           out_dtype=torch.float64)
+        for r in mla.validate.check_prefill_against_reference(out[rows], ml[rows], lse[rows], *ref):
+            assert r.ok, str(r)
+
+
+def test_prefill_is_captured_in_a_cuda_graph_and_replayed_over_new_indices():
+    case = mla.validate.make_prefill_case(s_q=64, s_kv=2048, topk=512, h_q=64, d_qk=576, lengths=True, device="cuda",
+                                          seed=2)
+    out = torch.empty(64, 64, 512, dtype=torch.bfloat16, device="cuda")
+    mla.sparse_prefill(**case, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, ml, lse = mla.sparse_prefill(**case, out=out)
+    case["indices"].copy_(torch.rand(64, 2048, device="cuda").argsort(-1)[:, None, :512].int())
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = mla.sparse_prefill_reference(case["q"], case["kv"], case["indices"], case["sm_scale"],
+                                       attn_sink=case["attn_sink"], topk_length=case["topk_length"],
+                                       out_dtype=torch.float64)
+    for r in mla.validate.check_prefill_against_reference(out, ml, lse, *ref):
+        assert r.ok, str(r)
+
+
+@pytest.mark.parametrize("d_qk", [512, 576])
+def test_flashmlas_prefill_itself_and_mla_agree_with_the_reference(d_qk):
+    """Where DeepSeek's FlashMLA extension imports (on sm_90 and sm_100), its
+    flash_mla_sparse_fwd and mla's pass the same checks on the same inputs."""
+    flashmla = pytest.importorskip("flash_mla", reason="DeepSeek's FlashMLA extension is not built here")
+    case = mla.validate.make_prefill_case(s_q=213, s_kv=1521, topk=512, h_q=128, d_qk=d_qk, sink=True, lengths=True,
+                                          device="cuda", seed=4)
+    for fn in (flashmla.flash_mla_sparse_fwd, mla_flash_mla.flash_mla_sparse_fwd):
+        for r in mla.validate.run_prefill_case(fn, case):
+            assert r.ok, (fn.__module__, str(r))

@@ -34,13 +34,24 @@ def head_block(block_h: int, h_q: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class TlDotConfig:
-    """Launch parameters of the portable ``tl.dot`` kernel (:mod:`mla.kernels.tl_dot`)."""
+class TileConfig:
+    """What the ``tl.dot`` kernels' launches share: a program's tile and its warps and stages."""
 
     block_h: int = 64       #: heads per program (the M of the dots)
     block_n: int = 64       #: tokens per tile (the N of S = Q.K^T)
     num_warps: int = 8
     num_stages: int = 1
+
+    def for_heads(self, h_q: int):
+        """The head block for h_q: at most h_q rounded up to a power of two, at least 16."""
+        p2 = 1 << max(0, int(h_q) - 1).bit_length()
+        return dataclasses.replace(self, block_h=max(MIN_BLOCK_H, min(self.block_h, p2)))
+
+
+@dataclasses.dataclass(frozen=True)
+class TlDotConfig(TileConfig):
+    """Launch parameters of the portable ``tl.dot`` decode kernel (:mod:`mla.kernels.tl_dot`)."""
+
     #: 2: two programs per head block, each owning 256 of the 512 output columns (the form the
     #: launch rule picks for a grid too small to fill the GPU)
     dv_halves: int = 1
@@ -301,3 +312,44 @@ def write(path, gpu_name: str, triton_version: str, table: dict, measured: str =
 
 #: The config under Triton's CPU interpreter: small tiles, one config (it cannot autotune).
 INTERPRETER = TlDotConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig(TileConfig):
+    """Launch parameters of the sparse prefill kernel (:mod:`mla.kernels.prefill`)."""
+
+    #: the dots' operand type on a GPU: "float16" (P to 2**-11; q and kv must stay inside fp16's
+    #: range, |x| < 65504) or "bfloat16" (P to 2**-8, as FlashMLA's kernel rounds it; no range
+    #: limit); the module docstring of :mod:`mla.kernels.prefill` weighs the two
+    dot: str = "float16"
+
+    def __post_init__(self):
+        if self.dot not in ("float16", "bfloat16"):
+            raise ValueError(f"config: dot must be 'float16' or 'bfloat16', got {self.dot!r}")
+
+
+#: The prefill's config per architecture: the largest head block, then the largest token tile,
+#: whose kernel, at d_qk 512 and 576 with fp16 operands, compiles inside the architecture's shared
+#: memory with its token-tile loop on the tensor cores and in registers (tests/test_aot.py
+#: compiles each). sm_90: 64 heads x 64 tokens, FlashMLA's sm_90 tile, two stages (192 and 216
+#: KB); its loop stores and reloads a few spilled values a tile (4 at d_qk 512, 5 at 576, of some
+#: 1300-1500 instructions: a [64, 512] fp32 accumulator is 128 registers a thread, and the
+#: gathered tile passes through registers to be converted). With one stage it spills ten times
+#: more; 64 x 32 tiles spill about as much per token and take a third more instructions per
+#: token (the accumulator's rescale is per tile). sm_100: 32 heads (at 64 Triton lowers the
+#: kernel to a lone trap, as it does where the accumulators exceed tensor memory: two [64, 256]
+#: halves and S would take 576 of its 512 columns). sm_80: 64 heads x 32 tokens, two stages (64 x
+#: 64 does not fit its 163 KB; one stage spills at 576). sm_89, sm_120 (and sm_86, the other 99 KB
+#: parts): 32 x 32, 64-68 KB.
+PREFILL = {90: PrefillConfig(64, 64, 8, 2), 100: PrefillConfig(32, 64), 80: PrefillConfig(64, 32, 8, 2),
+           89: PrefillConfig(32, 32), 120: PrefillConfig(32, 32)}
+#: The prefill's config under the interpreter: the largest tiles, which are the fewest numpy steps
+#: (128 heads in one program run in about half the time of two programs of 64); its operands are
+#: float32 whatever ``dot`` says.
+PREFILL_INTERPRETER = PrefillConfig(128, 128, num_warps=4)
+
+
+def prefill_config(arch: int) -> PrefillConfig:
+    """The prefill's config for an architecture (``arch`` = 10*major + minor): its own entry of
+    :data:`PREFILL`, else (an architecture no entry names) the 99 KB parts' one, the smallest."""
+    return PREFILL.get(arch, PREFILL[89])

@@ -25,6 +25,11 @@ What it checks, per case (:func:`make_case`, :class:`CaseSpec`):
   bit for bit when the unreferenced bytes hold zeros instead of NaN: nothing the call must not
   read may change what it returns.
 
+The sparse prefill (FlashMLA's ``flash_mla_sparse_fwd``) has its own two:
+:func:`make_prefill_case` draws inputs as FlashMLA's prefill test does (NaN in every kv row no
+valid position names) and :func:`run_prefill_case` checks a call against the float64 reference
+with FlashMLA's prefill tolerances (:func:`check_prefill_against_reference`).
+
 :func:`sweep` runs several impls over many cases into a pandas DataFrame (one row per case and
 impl, with a tqdm progress bar), :func:`table` renders it with rich, :func:`summary` condenses it.
 Case sets: :func:`quick_cases` (tiny, for the CPU interpreter), :func:`odd_cases` (a pairwise
@@ -36,14 +41,15 @@ from .cases import (INVALID_KINDS, ODD_AXES, CaseSpec, benchmark_cases, cases, i
                     schedule_cases, v32_cases,
                     poison_allocator, poison_unreferenced, quick_cases)
 from .compare import (LSE_ABS, LSE_COS, LSE_REL, OUT_ABS, OUT_COS, OUT_REL, Closeness, check_against_reference,
-                      compare, cosine_diff)
+                      check_prefill_against_reference, compare, cosine_diff)
 from .graph import graph_replay_check
+from .prefill import make_prefill_case, run_prefill_case
 from .sweep import (ROW_COLUMNS, Report, check, run_case, summary, sweep, sweep_rows, table, unreferenced_invariant,
                     validate)
 
 __all__ = ["OUT_ABS", "OUT_REL", "LSE_ABS", "LSE_REL", "OUT_COS", "LSE_COS", "Closeness", "cosine_diff", "compare",
-           "check_against_reference", "INVALID_KINDS", "invalid_values", "poison_unreferenced", "make_case",
-           "poison_allocator", "run_case", "CaseSpec", "cases", "quick_cases", "odd_cases", "schedule_cases",
-           "v32_cases", "benchmark_cases",
+           "check_against_reference", "check_prefill_against_reference", "INVALID_KINDS", "invalid_values",
+           "poison_unreferenced", "make_case", "poison_allocator", "run_case", "CaseSpec", "cases", "quick_cases",
+           "odd_cases", "schedule_cases", "v32_cases", "benchmark_cases",
            "ODD_AXES", "sweep", "sweep_rows", "check", "summary", "table", "Report", "validate",
-           "unreferenced_invariant", "ROW_COLUMNS", "graph_replay_check"]
+           "unreferenced_invariant", "ROW_COLUMNS", "graph_replay_check", "make_prefill_case", "run_prefill_case"]

@@ -1,5 +1,5 @@
-"""FlashMLA's whole check of a decode's outputs against the float64 reference: elementwise
-tolerances, the inf/nan positions, and the cosine difference."""
+"""FlashMLA's whole check of a decode's (and a sparse prefill's) outputs against the float64
+reference: elementwise tolerances, the inf/nan positions, and the cosine difference."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,6 +11,11 @@ OUT_ABS, OUT_REL = 1e-3, 2.01 / 128
 LSE_ABS, LSE_REL = 1e-6, 8.01 / 65536
 #: FlashMLA's cosine-difference bounds (its decode test's check_is_allclose): out 5e-6, lse 1e-7.
 OUT_COS, LSE_COS = 5e-6, 1e-7
+#: The sparse prefill's (FlashMLA's tests/test_flash_mla_sparse_prefill.py): out |err| < 8e-4 or
+#: rel < 3.01/128 and cosine difference 7e-6; max_logits and lse |err| < 1e-6 or rel < 2.01/65536,
+#: with kernelkit's default cosine bound of 1e-7.
+PREFILL_OUT_ABS, PREFILL_OUT_REL, PREFILL_OUT_COS = 8e-4, 3.01 / 128, 7e-6
+PREFILL_STAT_ABS, PREFILL_STAT_REL, PREFILL_STAT_COS = 1e-6, 2.01 / 65536, 1e-7
 
 
 @dataclass
@@ -113,3 +118,13 @@ def check_against_reference(out, lse, ref_out, ref_lse) -> tuple[Closeness, Clos
     tolerances, the inf/nan positions and the cosine difference."""
     return (compare("out", out, ref_out, OUT_ABS, OUT_REL, OUT_COS),
             compare("lse", lse, ref_lse, LSE_ABS, LSE_REL, LSE_COS))
+
+
+def check_prefill_against_reference(out, max_logits, lse, ref_out, ref_max_logits, ref_lse) -> tuple:
+    """FlashMLA's whole check of a sparse prefill's (out, max_logits, lse) against the float64
+    reference's (:func:`mla.sparse_prefill_reference` with ``out_dtype=torch.float64``). As
+    FlashMLA's test does, out is compared in float32 with the reference unrounded (its cosine
+    difference thus counts out's own rounding to bf16)."""
+    return (compare("out", out.float(), ref_out, PREFILL_OUT_ABS, PREFILL_OUT_REL, PREFILL_OUT_COS),
+            compare("max_logits", max_logits, ref_max_logits, PREFILL_STAT_ABS, PREFILL_STAT_REL, PREFILL_STAT_COS),
+            compare("lse", lse, ref_lse, PREFILL_STAT_ABS, PREFILL_STAT_REL, PREFILL_STAT_COS))
