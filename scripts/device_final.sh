@@ -12,7 +12,8 @@
 # alone; GPU_TESTS_K a -k filter), validation (VALIDATION_IMPLS: --impls), bench, sweep (SWEEP_ARGS:
 # more of its arguments, e.g. --impl and --h-q), sweep_v32 (DeepSeek-V3.2's cache), timeline (the
 # Gluon kernel's stamped chain), prefill (the sparse prefill beside FlashMLA's), suites (FlashMLA's
-# own prefill and decode test files against mla, SUITES to choose), serving, host, profile (Nsight Compute on PROFILE_IMPLS at
+# own prefill and decode test files against mla, SUITES to choose, SUITE_ARGS_<suite> more of the
+# runner's arguments), serving, host, profile (Nsight Compute on PROFILE_IMPLS at
 # PROFILE_SHAPES, default the portable kernel's sm_90 and sm_80 code at DSA b 128 and b 8), or a
 # notebook path (notebooks/0*.ipynb globs work).
 # With no PART it runs all of them (more than one 600 s device call can hold; split it).
@@ -56,9 +57,9 @@ nbsetup() {
       timeline) step "${TIMELINE_S:-150}" python3 experiments/gluon_timeline.py --out "$OUT/gluon_timeline.json" ;;
       prefill) step "${PREFILL_S:-180}" python3 -m mla.bench --prefill --budget-s "${PREFILL_BUDGET_S:-120}" \
         --out "$OUT/res" --no-progress ;;
-      suites) for suite in ${SUITES:-prefill decode}; do
+      suites) for suite in ${SUITES:-prefill decode}; do extra="SUITE_ARGS_$suite"
           step "${SUITES_S:-150}" python3 scripts/flashmla_tests.py "${FLASHMLA_SRC:-.flashmla}" --suite "$suite" \
-            --flashmla-commit "${FLASHMLA_COMMIT:-9241ae3}" --out "$OUT/flashmla_$suite.json"
+            --flashmla-commit "${FLASHMLA_COMMIT:-9241ae3}" --out "$OUT/flashmla_$suite.json" ${!extra:-}
         done ;;
       host) step 60 python3 -m mla.bench --host ;;
       serving) step "${SERVING_S:-120}" python3 -m mla.bench --serving --out "$OUT/res" ;;

@@ -179,6 +179,8 @@ def main(argv=None) -> int:
                          + ", ".join(f"{k} {v}" for k, v in SMALL_WORK.items()) + ")")
     ap.add_argument("--max-work", type=int, help="with --small, this bound on a case's work instead")
     ap.add_argument("--limit", type=int, help="run only the first this many of the chosen cases")
+    ap.add_argument("--d-qk", type=int, choices=(512, 576), dest="d_qk",
+                    help="only the cases of this head dim (576: DeepSeek-V3.2's cache)")
     ap.add_argument("--out", type=pathlib.Path, help="write the summary here (JSON)")
     ap.add_argument("--flashmla-commit", help="the checkout's commit, where it has no git metadata (git archive)")
     a = ap.parse_args(argv)
@@ -195,7 +197,8 @@ def main(argv=None) -> int:
         runner = getattr(module, runner_name)
         cases = load_cases(a.suite, module, tests_dir)
         bound = a.max_work or SMALL_WORK[a.suite]
-        chosen = [p for p in cases if not a.small or work(p) <= bound][:a.limit]
+        chosen = [p for p in cases if (not a.small or work(p) <= bound)
+                  and (a.d_qk is None or p.d_qk == a.d_qk)][:a.limit]
         outcomes = {"passed": [], "failed": [], "refused": []}
         for i, p in enumerate(chosen):
             p.num_runs = 0
@@ -207,8 +210,27 @@ def main(argv=None) -> int:
                 entry["reason"] = text
             outcomes[outcome].append(entry)
             print(f"[{i + 1}/{len(chosen)}] {outcome}: {p}", flush=True)
+            if a.out and (i + 1) % 20 == 0:      # a run cut short keeps what it checked
+                _write(a.out, _summary(a, cases, chosen, outcomes, i + 1, t0, mla_commit, device, module_name, bound))
+    summary = _summary(a, cases, chosen, outcomes, len(chosen), t0, mla_commit, device, module_name, bound)
+    n = {k: summary[k] for k in outcomes}
+    print(f"{a.suite}: {n['passed']} passed, {n['failed']} failed, {n['refused']} refused by mla, of {len(chosen)} "
+          f"run ({len(cases)} listed), {summary['seconds']} s")
+    if a.out:
+        _write(a.out, summary)
+        print(f"wrote {a.out}")
+    return 1 if n["failed"] else 0
+
+
+def _write(path, summary):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=1) + "\n")
+
+
+def _summary(a, cases, chosen, outcomes, done, t0, mla_commit, device, module_name, bound) -> dict:
+    """The run's summary after ``done`` of the ``chosen`` cases (``complete`` once all ran)."""
     n = {k: len(v) for k, v in outcomes.items()}
-    summary = {
+    return {
         "suite": a.suite, "mode": "small" if a.small else "all",
         "flashmla": {"path": str(a.flashmla), "commit": flashmla_commit(a.flashmla, a.flashmla_commit),
                      "test_file": f"tests/{module_name}.py"},
@@ -216,18 +238,11 @@ def main(argv=None) -> int:
         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
         "seconds": round(time.time() - t0, 1),
-        "cases_listed": len(cases), "cases_run": len(chosen), **n,
-        "small_work_bound": bound if a.small else None, "limit": a.limit,
+        "cases_listed": len(cases), "cases_chosen": len(chosen), "cases_run": done, "complete": done == len(chosen),
+        **n, "small_work_bound": bound if a.small else None, "limit": a.limit, "d_qk": a.d_qk,
         "refused_reasons": sorted({e["reason"] for e in outcomes["refused"]}),
         "failed_cases": outcomes["failed"], "refused_cases": [e["params"] for e in outcomes["refused"]],
     }
-    print(f"{a.suite}: {n['passed']} passed, {n['failed']} failed, {n['refused']} refused by mla, of {len(chosen)} "
-          f"run ({len(cases)} listed), {summary['seconds']} s")
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(summary, indent=1) + "\n")
-        print(f"wrote {a.out}")
-    return 1 if n["failed"] else 0
 
 
 if __name__ == "__main__":
