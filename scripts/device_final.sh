@@ -18,6 +18,7 @@
 # notebook path (notebooks/0*.ipynb globs work).
 # With no PART it runs all of them (more than one 600 s device call can hold; split it).
 # DEADLINE_S (seconds from the start, default 570) skips a part whose limit would pass it.
+# TRITON_PACK: a Triton packed by scripts/triton_for_device.sh, unpacked and used instead of the image's.
 set -u
 START=$(date +%s)
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -34,8 +35,15 @@ nbsetup() {
     && export PYTHONPATH="$HOME/nbsite:$PYTHONPATH" && python3 -m ipykernel install --user --name python3 >/dev/null
   NB_READY=1
 }
+if [ -n "${TRITON_PACK:-}" ]; then
+  site=/tmp/triton-site-$(basename "$TRITON_PACK" .tar.xz)
+  [ -d "$site/triton" ] || python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$TRITON_PACK" "$site"
+  export PYTHONPATH="$site:$PYTHONPATH" TRITON_PTXAS_PATH=$(command -v ptxas || echo /usr/local/cuda/bin/ptxas)
+  export TRITON_CUOBJDUMP_PATH=$(dirname "$TRITON_PTXAS_PATH")/cuobjdump TRITON_NVDISASM_PATH=$(dirname "$TRITON_PTXAS_PATH")/nvdisasm
+fi
 {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import triton; print(\"triton\", triton.__version__, triton.__file__)"
   for part in "$@"; do
     case "$part" in
       flashmla) if ls /tmp/fm/flash_mla/cuda*.so >/dev/null 2>&1; then echo "=== flashmla: built earlier on this machine"; \
