@@ -38,7 +38,8 @@ nbsetup() {
 if [ -n "${TRITON_PACK:-}" ]; then
   site=/tmp/triton-site-$(basename "$TRITON_PACK" .tar.xz)
   [ -d "$site/triton" ] || python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$TRITON_PACK" "$site"
-  export PYTHONPATH="$site:$PYTHONPATH" TRITON_PTXAS_PATH=$(command -v ptxas || echo /usr/local/cuda/bin/ptxas)
+  # only the backends in its tree (the image's Triton's metadata names an AMD backend the pack leaves out)
+  export TRITON_BACKENDS_IN_TREE=1 PYTHONPATH="$site:$PYTHONPATH" TRITON_PTXAS_PATH=$(command -v ptxas || echo /usr/local/cuda/bin/ptxas)
   export TRITON_CUOBJDUMP_PATH=$(dirname "$TRITON_PTXAS_PATH")/cuobjdump TRITON_NVDISASM_PATH=$(dirname "$TRITON_PTXAS_PATH")/nvdisasm
 fi
 {
@@ -49,7 +50,7 @@ fi
       flashmla) if ls /tmp/fm/flash_mla/cuda*.so >/dev/null 2>&1; then echo "=== flashmla: built earlier on this machine"; \
           export PYTHONPATH="/tmp/fm:$PYTHONPATH"; continue; fi
         rm -rf /tmp/fm && cp -r "${FLASHMLA_SRC:-.flashmla}" /tmp/fm \
-        && step "${FLASHMLA_S:-150}" bash "${FLASHMLA_BUILD:-scripts/build_flashmla.sh}" /tmp/fm $(ls /tmp/fm/nvidia_cutlass-*.whl 2>/dev/null) \
+        && FLASHMLA_COMMIT=${FLASHMLA_COMMIT:-9241ae3} step "${FLASHMLA_S:-150}" bash "${FLASHMLA_BUILD:-scripts/build_flashmla.sh}" /tmp/fm $(ls /tmp/fm/nvidia_cutlass-*.whl 2>/dev/null) \
         && export PYTHONPATH="/tmp/fm:$PYTHONPATH" ;;
       tests) nbsetup      # the chapter tests import nbformat
         step "${TESTS_S:-300}" python3 -m pytest -q -m "not slow" -p no:cacheprovider -rfE ;;

@@ -55,10 +55,12 @@ def make_prefill_case(s_q=4, s_kv=128, topk=64, h_q=16, d_qk=512, *, sink=True, 
     return kw
 
 
-def run_prefill_case(fn, case: dict) -> tuple[Closeness, Closeness, Closeness]:
+def run_prefill_case(fn, case: dict, value_scale: float = 0.1) -> tuple[Closeness, Closeness, Closeness]:
     """Call ``fn(**case) -> (out, max_logits, lse)`` (the output allocator poisoned with NaN
     first) and compare with the float64 reference: FlashMLA's checks of out, max_logits and lse
-    (:func:`mla.validate.check_prefill_against_reference`), dtypes and shapes included."""
+    (:func:`mla.validate.check_prefill_against_reference`), dtypes and shapes included; for data
+    of ``value_scale`` (that of :func:`make_prefill_case`) the logits' absolute bound grows with
+    their terms, ``(value_scale / 0.1)**2``."""
     q = case["q"]
     s_q, h_q, _ = q.shape
     poison_allocator(s_q * h_q * 512 * 2, q.device)
@@ -66,7 +68,7 @@ def run_prefill_case(fn, case: dict) -> tuple[Closeness, Closeness, Closeness]:
     ref = sparse_prefill_reference(case["q"], case["kv"], case["indices"], case["sm_scale"],
                                    attn_sink=case.get("attn_sink"), topk_length=case.get("topk_length"),
                                    out_dtype=torch.float64)
-    res = check_prefill_against_reference(out, max_logits, lse, *ref)
+    res = check_prefill_against_reference(out, max_logits, lse, *ref, logit_scale=max(1.0, (value_scale / 0.1) ** 2))
     for got, dtype, r in zip((out, max_logits, lse), (torch.bfloat16, torch.float32, torch.float32), res):
         if got.dtype != dtype:
             r.ok, r.note = False, f"dtype {got.dtype}, expected {dtype}"
