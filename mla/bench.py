@@ -710,9 +710,11 @@ def prefill_flops(s: PrefillShape) -> int:
 
 
 def prefill_bytes(s: PrefillShape) -> int:
-    """Bytes that must move: each query's gathered rows (bf16, d_qk wide) and their indices, q
-    and out (bf16), max_logits and lse (fp32)."""
-    return s.s_q * s.topk * (2 * s.d_qk + 4) + s.s_q * s.h_q * ((s.d_qk + 512) * 2 + 8)
+    """Bytes that must move from DRAM at least: each kv row once (bf16, d_qk wide; queries share
+    rows through L2, so gathering per query overcounts), the indices, q and out (bf16),
+    max_logits and lse (fp32)."""
+    rows = min(s.s_kv, s.s_q * s.topk)
+    return rows * 2 * s.d_qk + s.s_q * s.topk * 4 + s.s_q * s.h_q * ((s.d_qk + 512) * 2 + 8)
 
 
 def prefill_record(s: PrefillShape, impl: str, us_graph: float, us_do_bench: float | None, ceil: dict) -> dict:

@@ -330,24 +330,27 @@ def test_prefill_grid():
 def test_prefill_flops_and_bytes_by_hand():
     # FlashMLA's V3.2 performance case: s_q 4096, h_q 128, top-k 2048, d_qk 576
     #   FLOP   2 * 4096 * 128 * 2048 * (576 + 512)                     = 2_336_462_209_024
-    #   bytes  4096 * 2048 * (576 * 2 + 4)   gathered rows and indices = 9_697_230_848
+    #   bytes  32768 * 576 * 2               every kv row once         =    37_748_736
+    #        + 4096 * 2048 * 4                indices                  =    33_554_432
     #        + 4096 * 128 * ((576 + 512) * 2 + 8)   q, out, max, lse   = 1_145_044_992
     s = bench.PrefillShape(4096, 32768, 128, 2048, 576)
     assert bench.prefill_flops(s) == 2_336_462_209_024
-    assert bench.prefill_bytes(s) == 9_697_230_848 + 1_145_044_992
+    assert bench.prefill_bytes(s) == 37_748_736 + 33_554_432 + 1_145_044_992
+    # fewer gathered rows than the cache holds: only those can be read
+    assert bench.prefill_bytes(bench.PrefillShape(2, 32768, 64, 512, 512)) == 1024 * 1024 + 2 * 512 * 4 + 2 * 64 * 2056
     # MODEL1 CONFIG1: h_q 64, top-k 512, d_qk 512: 2 * 4096 * 64 * 512 * 1024 = 274_877_906_944
     v4 = bench.PrefillShape(4096, 8192, 64, 512, 512)
     assert bench.prefill_flops(v4) == 274_877_906_944
-    assert bench.prefill_bytes(v4) == 4096 * 512 * 1028 + 4096 * 64 * 2056
+    assert bench.prefill_bytes(v4) == 8192 * 1024 + 4096 * 512 * 4 + 4096 * 64 * 2056
 
 
 def test_prefill_record_arithmetic_and_schema():
-    s = bench.PrefillShape(4096, 8192, 64, 512, 512)          # 274_877_906_944 FLOP, 2_694_840_320 bytes
-    # FLOP decide at 1000 TFLOP/s: 274.88 us; bytes at 4000 GB/s: 673.71 us; the floor is 673.71 us
+    s = bench.PrefillShape(4096, 8192, 64, 512, 512)          # 274_877_906_944 FLOP, 555_745_280 bytes
+    # FLOP at 1000 TFLOP/s: 274.88 us; bytes at 4000 GB/s: 138.94 us; the floor is 274.88 us
     r = bench.prefill_record(s, "mma", 1000.0, 1100.0, {"copy_gbps": 4000.0, "matmul_tflops": 1000.0})
     assert r["tflops"] == round(274_877_906_944 / 1e-3 / 1e12, 2) == 274.88
-    assert r["gbps"] == round(2_694_840_320 / 1e-3 / 1e9, 1) == 2694.8
-    assert r["roofline"] == round(2_694_840_320 / 4e12 / 1e-3, 4) == 0.6737
+    assert r["gbps"] == round(555_745_280 / 1e-3 / 1e9, 1) == 555.7
+    assert r["roofline"] == round(274_877_906_944 / 1e15 / 1e-3, 4) == 0.2749
     assert set(r) == {"shape", "s_q", "s_kv", "h_q", "topk", "d_qk", "impl", "us_graph", "us_do_bench", "tflops",
                       "gbps", "roofline"}
     assert (r["shape"], r["us_graph"], r["us_do_bench"], r["impl"]) == ("prefill V4", 1000.0, 1100.0, "mma")
