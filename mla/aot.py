@@ -19,6 +19,7 @@ import tempfile
 from . import configs, dispatch
 from .configs import GLUON_FORMS, SMEM_LIMIT
 from .kernels import combine, prefill, simt, tl_dot
+from .layout import MODEL1, V32
 
 ARCHS = tuple(SMEM_LIMIT)
 
@@ -218,14 +219,15 @@ def tl_dot_variant(arch: int, block_h=64, block_n=64, num_warps=8, num_stages=1,
 
 
 def gluon_variant(form: str = "heads as M", has_extra=True, lengths=True, align=16, asm: tuple = (),
-                  loops=False) -> dict:
+                  loops=False, v32: bool = False) -> dict:
     """The Gluon sm_90 kernel's variant in a form of :data:`mla.configs.GLUON_FORMS` (sink and
     lengths on; cache rows copied ``align`` bytes at a time: 8 for page strides that are
     multiples of 8 only, as a contiguous cache's are at an odd page size). Warps, ring stages and
-    register splits are the launch's (:func:`mla.kernels.gluon_sm90.launch_options`)."""
+    register splits are the launch's (:func:`mla.kernels.gluon_sm90.launch_options`); ``v32`` its
+    form for DeepSeek-V3.2's cache (heads as M only)."""
     from .kernels.gluon_sm90 import launch_options
 
-    opts = launch_options(*GLUON_FORMS[form])
+    opts = launch_options(*GLUON_FORMS[form], v32=v32)
     return {"kernel": "gluon_decode_kernel", "arch": 90, "num_warps": opts.pop("num_warps"), "num_stages": 1,
             "maxnreg": 0, "loops": loops, "asm": list(asm),
             "constexprs": {**_flags(has_extra, lengths), "ALIGN": align, **opts}}
@@ -244,14 +246,15 @@ def portable_variant(arch: int, cfg, has_extra=True, lengths=True, align=16, asm
 def config_variant(arch: int, cfg, asm: tuple = (), loops: bool = False, has_extra: bool = True,
                    v32: bool = False) -> dict:
     """The decode kernel's variant for ``arch`` under a :class:`~mla.configs.TlDotConfig` or a
-    :class:`~mla.configs.GluonConfig` (``v32``: the ``tl.dot`` kernel's V3.2 form)."""
+    :class:`~mla.configs.GluonConfig` (``v32``: the kernel's form for DeepSeek-V3.2's cache)."""
     if cfg.kernel == "gluon":
-        if v32:
-            raise ValueError("v32: the Gluon kernel reads the MODEL1 cache only (mla.dispatch.GLUON_LAYOUTS)")
-        return gluon_variant(cfg.form, has_extra=has_extra, asm=asm, loops=loops)
+        if v32 and cfg.form not in dispatch.GLUON_LAYOUTS[V32]:
+            raise ValueError(f"v32: the Gluon kernel reads V3.2's cache in the forms {list(dispatch.GLUON_LAYOUTS[V32])} "
+                             f"only (mla.dispatch.GLUON_LAYOUTS), not {cfg.form!r}")
+        return gluon_variant(cfg.form, has_extra=has_extra, asm=asm, loops=loops, v32=v32)
     if cfg.kernel == "gluon_portable":
         if v32:
-            raise ValueError("v32: the portable Gluon kernel reads the MODEL1 cache only (mla.dispatch.GLUON_LAYOUTS)")
+            raise ValueError("v32: the portable Gluon kernel reads the MODEL1 cache only (mla.dispatch.PORTABLE_LAYOUTS)")
         return portable_variant(arch, cfg, has_extra=has_extra, asm=asm, loops=loops)
     return tl_dot_variant(arch, block_h=cfg.block_h, block_n=cfg.block_n, num_warps=cfg.num_warps,
                           num_stages=cfg.num_stages, dv_halves=cfg.dv_halves, has_extra=has_extra, asm=asm,
@@ -275,11 +278,11 @@ def shipped_tl_dot_configs(arch: int) -> list:
 def shipped_variants(arch: int, v32: bool = False) -> list[dict]:
     """Every decode-kernel variant ``mla`` may launch on ``arch``: the ``tl.dot`` configs of
     :func:`shipped_tl_dot_configs` and, on sm_90, the Gluon kernel's forms; with ``v32``, those
-    it may launch for DeepSeek-V3.2's cache: the same ``tl.dot`` configs in their V3.2 form (the
-    launch rule gives V3.2 the pick of a GPU without Gluon, :func:`mla.dispatch.decide`)."""
+    it may launch for DeepSeek-V3.2's cache: the same ``tl.dot`` configs and the Gluon forms of
+    :data:`mla.dispatch.GLUON_LAYOUTS`, in their V3.2 form."""
     out = [config_variant(arch, c, v32=v32) for c in shipped_tl_dot_configs(arch)]
-    if arch == 90 and not v32:
-        out += [gluon_variant(form) for form in GLUON_FORMS]
+    if arch == 90:
+        out += [gluon_variant(form, v32=v32) for form in dispatch.GLUON_LAYOUTS[V32 if v32 else MODEL1]]
     return out
 
 

@@ -10,8 +10,9 @@ From the shapes and the device alone (no host sync), for ``impl="mma"``:
   programs per head block where the grid is small (:func:`fill_small_grid`);
 - a Gluon pick whose caches it cannot copy (:func:`mla.kernels.gluon_sm90.row_align`) falls
   back to the ``tl.dot`` config;
-- DeepSeek-V3.2's cache (:data:`mla.layout.V32`) runs the ``tl.dot`` kernel on every GPU: the
-  Gluon kernel reads the layouts of :data:`GLUON_LAYOUTS` only (MODEL1's);
+- DeepSeek-V3.2's cache (:data:`mla.layout.V32`) runs the Gluon kernel in the heads-as-M form
+  only (:data:`GLUON_LAYOUTS`): where MODEL1's call would take another form, it gets the pick of
+  a GPU without Gluon (the ``tl.dot`` kernel);
 - the schedule (:func:`programs_for`): the flat work list of :mod:`mla.schedule`, its share
   size from the shapes or, with lengths, from the lengths on the device; uniform splits for
   the one form with a program per query piece.
@@ -49,8 +50,11 @@ except (ImportError, AttributeError):
 
 #: the SM count assumed under the interpreter (it sizes the split count only)
 INTERPRETER_SMS = 4
-#: the cache layouts the Gluon kernel reads (V3.2's runs the tl.dot kernel until it reads that too)
-GLUON_LAYOUTS = (MODEL1,)
+#: the cache layouts the Gluon kernel reads, with its forms for each: V3.2's 576-wide Q and K fit
+#: its shared memory in the heads-as-M form only
+GLUON_LAYOUTS = {MODEL1: tuple(GLUON_FORMS), V32: ("heads as M",)}
+#: the cache layouts the portable Gluon kernel reads
+PORTABLE_LAYOUTS = (MODEL1,)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -226,12 +230,14 @@ def decide(table: dict, gluon: bool, sms: int, b: int, s_q: int, h_q: int, topk:
     ``table`` the ``tl.dot`` table of the GPU (:func:`mla.configs.table_for`), ``gluon`` whether
     the Gluon kernel may run, ``sms`` its SM count, ``align`` the caches' :func:`gluon_align`,
     ``has_lengths`` whether the call gives ``topk_length`` or ``extra_topk_length``, ``layout``
-    the caches' layout (one the Gluon kernel does not read, :data:`GLUON_LAYOUTS`, runs the
-    ``tl.dot`` kernel)."""
+    the caches' layout (a Gluon form the layout does not have, :data:`GLUON_LAYOUTS`, gives the
+    pick without Gluon)."""
     tl_cfg = configs.bucket_config(table, h_q)
     gluon = gluon and layout in GLUON_LAYOUTS
     cfg = choose_config(tl_cfg, gluon, b, s_q, h_q, topk + extra_topk, sms)
-    if cfg.kernel == "gluon" and not align:     # caches the Gluon kernel cannot copy
+    if cfg.kernel == "gluon" and cfg.form not in GLUON_LAYOUTS[layout]:
+        cfg = choose_config(tl_cfg, False, b, s_q, h_q, topk + extra_topk, sms)
+    elif cfg.kernel == "gluon" and not align:     # caches the Gluon kernel cannot copy
         cfg = tl_cfg
     return (cfg, *programs_for(cfg, b * s_q, h_q, topk, extra_topk, sms, has_lengths))
 
@@ -265,9 +271,10 @@ def plan_launch(device: torch.device, b: int, s_q: int, h_q: int, topk: int, ext
     if config is not None:
         cfg = config.for_heads(h_q)
         if cfg.kernel == "gluon":
-            if layout not in GLUON_LAYOUTS:
-                raise ValueError(f"config: the Gluon kernel reads the MODEL1 cache only, not {layout.name}'s: "
-                                 "force a TlDotConfig, or leave config to the launch rule")
+            if cfg.form not in GLUON_LAYOUTS.get(layout, ()):
+                raise ValueError(f"config: the Gluon kernel reads {layout.name}'s cache in the forms "
+                                 f"{list(GLUON_LAYOUTS.get(layout, ()))} only, not {cfg.form!r}: force one of "
+                                 "those or a TlDotConfig, or leave config to the launch rule")
             if gluon_sm90 is None or _runtime.INTERPRET or device.type != "cuda" \
                     or torch.cuda.get_device_capability(device) != (9, 0):
                 raise ValueError("config: the Gluon kernel is for Hopper GPUs (sm_90, not the interpreter); "
@@ -276,7 +283,7 @@ def plan_launch(device: torch.device, b: int, s_q: int, h_q: int, topk: int, ext
                 raise ValueError("config: the Gluon kernel copies cache rows 8 or 16 bytes at a time: it needs "
                                  "caches whose base addresses are multiples of 16 and page strides multiples of 8")
         elif cfg.kernel == "gluon_portable":
-            if layout not in GLUON_LAYOUTS:
+            if layout not in PORTABLE_LAYOUTS:
                 raise ValueError(f"config: the portable Gluon kernel reads the MODEL1 cache only, not {layout.name}'s: "
                                  "force a TlDotConfig, or leave config to the launch rule")
             if gluon_portable is None or _runtime.INTERPRET or device.type != "cuda":
@@ -356,7 +363,8 @@ class Launcher:
             heads, tile_tokens, pair = GLUON_FORMS[cfg.form]
             self._module, self._name = gluon_sm90.kernel, "gluon_decode_kernel"
             grid, kw = gluon_sm90.launch_params(b * s_q, h_q, launch.programs, heads=heads, tile_tokens=tile_tokens,
-                                                two_consumers=pair, align=launch.align)
+                                                two_consumers=pair, align=launch.align,
+                                                v32=cache_layout(k_cache) is V32)
         elif cfg.kernel == "gluon_portable":
             self._module, self._name = (cross_arch, f"gluon_portable_sm{launch.isa}") if launch.isa else \
                 (gluon_portable, "gluon_portable_kernel")

@@ -51,7 +51,8 @@ from mla.layout import layout_for_head_dim  # noqa: E402
 # "reference": fp32
 COUNTED = ("reference", "simt", "mma", "mma-tl", "mma-tl-sm80", "mma-tl-sm89", "mma-gp", "mma-gp-sm80",
            "mma-gp-sm89", "mma-wgmma", "mma-wgmma-t16", "mma-wgmma-t8", "mma-wgmma-duo")
-GLUON = ("mma-wgmma", "mma-wgmma-t16", "mma-wgmma-t8", "mma-wgmma-duo")
+GLUON = {"mma-wgmma": "heads as M", "mma-wgmma-t16": "tokens as M, 16 x 64", "mma-wgmma-t8": "tokens as M, 8 x 128",
+         "mma-wgmma-duo": "tokens as M, two consumers"}
 #: the portable kernel as an A100 and an L40 compile it, run on this (newer) GPU
 OTHER_ISAS = {"mma-tl-sm80": 80, "mma-tl-sm89": 89}
 #: the portable Gluon kernel: this GPU's code (0), or an A100's and an L40's
@@ -105,10 +106,7 @@ def _bf16_operands(q, k_cache, indices, **kw):
 
 def _impls(names):
     forced = {"mma-bf16": _bf16_operands, "mma-tl": functools.partial(_forced, _tl_config),
-              "mma-wgmma": functools.partial(_forced, _gluon("heads as M")),
-              "mma-wgmma-t16": functools.partial(_forced, _gluon("tokens as M, 16 x 64")),
-              "mma-wgmma-t8": functools.partial(_forced, _gluon("tokens as M, 8 x 128")),
-              "mma-wgmma-duo": functools.partial(_forced, _gluon("tokens as M, two consumers")),
+              **{n: functools.partial(_forced, _gluon(form)) for n, form in GLUON.items()},
               **{n: functools.partial(_other_isa, isa) for n, isa in OTHER_ISAS.items()},
               **{n: functools.partial(_gluon_portable, isa) for n, isa in GLUON_PORTABLE.items()}}
     return {n: forced.get(n) or functools.partial(mla.sparse_decode, impl=n) for n in names}
@@ -129,11 +127,13 @@ def _records(rows):
 
 
 def impls_for(spec, names) -> tuple:
-    """The impls a case runs: all of ``names`` but, for a cache the Gluon kernel does not read
-    (V3.2's, mla.dispatch.GLUON_LAYOUTS), the forced Gluon ones."""
-    if layout_for_head_dim(spec.d_qk) in dispatch.GLUON_LAYOUTS:
-        return tuple(names)
-    return tuple(n for n in names if n not in GLUON and n not in GLUON_PORTABLE)
+    """The impls a case runs: all of ``names`` but the forced Gluon forms its cache's layout does
+    not have (mla.dispatch.GLUON_LAYOUTS: V3.2's has heads as M only) and, for a layout the
+    portable Gluon kernel does not read (mla.dispatch.PORTABLE_LAYOUTS), that kernel."""
+    layout = layout_for_head_dim(spec.d_qk)
+    forms = dispatch.GLUON_LAYOUTS.get(layout, ())
+    return tuple(n for n in names if (n not in GLUON or GLUON[n] in forms)
+                 and (n not in GLUON_PORTABLE or layout in dispatch.PORTABLE_LAYOUTS))
 
 
 def _work(job):
@@ -260,7 +260,8 @@ def main(argv=None) -> int:
     summ.update(impls=list(counted_impls), skipped=skipped, complete=not skipped, graph_replay_ok=graph["ok"],
                 benchmark_cases=len(bench_specs), schedule_cases=len(sched_specs), v32_cases=len(v32_specs),
                 odd_cases=len(odd_specs), pool_bytes=a.pool_gb * 1e9,
-                gluon_skipped_v32=[n for n in counted_impls if n in GLUON or n in GLUON_PORTABLE] if v32_specs else [],
+                gluon_skipped_v32=sorted(set(counted_impls) - set(impls_for(v32_specs[0], counted_impls)))
+                if v32_specs else [],
                 seconds=round(time.time() - t_start, 1))
     info = {"about": "not counted: mma-bf16 is the MMA kernel with bf16 tensor-core operands (P rounded to "
                      "2**-8), expected to fail the SPEC's out tolerance where few tokens are valid; the range probe "

@@ -1,4 +1,5 @@
 """Ahead-of-time compiles (no GPU needed): every config mla may launch fits its architecture."""
+import collections
 import dataclasses
 import re
 
@@ -6,7 +7,7 @@ import pytest
 import triton
 
 from mla import aot, configs, dispatch
-from mla.configs import GluonConfig, TlDotConfig
+from mla.configs import GLUON_FORMS, GluonConfig, PortableConfig, TlDotConfig
 
 
 @pytest.fixture(scope="module")
@@ -87,12 +88,40 @@ def test_the_v32_form_of_every_shipped_tl_dot_config_compiles_and_fits_shared_me
         assert loop["tensor_core"] > twin["loops"][0]["tensor_core"] > 0, (r, twin)
 
 
-def test_aot_has_no_v32_form_of_the_gluon_kernel():
-    assert all(v["kernel"] == "tl_dot_decode_kernel" for v in aot.shipped_variants(90, v32=True))
-    assert aot.shipped_variants(90, v32=True)[0]["constexprs"]["V32"] is True
-    assert "V32" not in aot.shipped_variants(90)[0]["constexprs"]           # MODEL1's spelled as before
-    with pytest.raises(ValueError, match="^v32:"):
-        aot.config_variant(90, GluonConfig(), v32=True)
+def test_the_gluon_kernel_has_a_v32_form_in_heads_as_m_only():
+    """The V3.2 variants ``mla`` may launch on sm_90 (mla.dispatch.GLUON_LAYOUTS): the tl.dot
+    configs' and the Gluon kernel's heads-as-M form, each with ``V32`` set; the MODEL1 variants
+    are spelled as before (no ``V32``), and a V3.2 variant of another Gluon form is refused."""
+    v32 = aot.shipped_variants(90, v32=True)
+    assert all(v["constexprs"]["V32"] is True for v in v32)
+    (gluon,) = [v for v in v32 if v["kernel"] == "gluon_decode_kernel"]
+    assert gluon["constexprs"]["HEADS"] == 64 and gluon["constexprs"]["TWO_CONSUMERS"] == 0
+    assert all("V32" not in v["constexprs"] for v in aot.shipped_variants(90))     # MODEL1's spelled as before
+    for form in GLUON_FORMS:
+        if form != "heads as M":
+            with pytest.raises(ValueError, match=r"^v32: the Gluon kernel reads V3.2's cache in the forms"):
+                aot.config_variant(90, GluonConfig(form), v32=True)
+    with pytest.raises(ValueError, match="^v32: the portable Gluon kernel reads the MODEL1 cache only"):
+        aot.config_variant(90, PortableConfig(), v32=True)
+
+
+@pytest.mark.slow
+def test_the_v32_gluon_form_reads_its_rope_in_place_within_shared_memory_without_spills():
+    """V3.2's heads-as-M form (576-wide Q and K, V the 512 nope columns): Q's 64 rope columns in
+    their own 8 KB of bf16, the ring stage's rope read in place as S's second B operand, the tile
+    buffer [64, 512] as MODEL1's. Per warp and tile: MODEL1's 32 + 4 wgmma, plus 64/16 = 4 of
+    N = 32 on bf16 operands (the rope's part of S). The plan is 226 KB, under sm_90's 227; the
+    loop does not spill; every copy of the ring is a 16-byte cp.async (LDGSTS.128)."""
+    ours, model1 = aot.report([aot.gluon_variant(loops=True, asm=("ptx", "sass"), v32=True),
+                               aot.gluon_variant(loops=True)])
+    assert "error" not in ours and "error" not in model1, (ours, model1)
+    assert ours["fits"] and model1["shared"] + 8 * 1024 < ours["shared"] <= aot.SMEM_LIMIT[90], ours["shared"]
+    (loop,) = ours["loops"]
+    assert loop["tensor_core"] == 32 + 4 + 4 == model1["loops"][0]["tensor_core"] + 4, loop
+    assert loop["spill_loads"] == 0 and loop["spill_stores"] == 0, loop
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n32k16\.f32\.bf16\.bf16", ours["ptx"])) == 4
+    copies = re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^\]]*\], \[[^\]]*\], (0x\w+)", ours["ptx"])
+    assert copies and set(copies) == {"0x10"}, collections.Counter(copies)
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ consumers). Every other form now runs the flat work list (tests/test_schedule.py
 the generic tables were since derived from each architecture's registers
 (:func:`mla.configs.generic`): there the pick keeps the fixture's kernel and tile, and its head
 block is the rule's. Nothing here needs a GPU."""
+import collections
 import json
 import pathlib
 
@@ -90,31 +91,46 @@ def test_num_splits_is_plain_integer_arithmetic(b, s_q, h_q, total, block_h, blo
     assert dispatch.num_splits(b, s_q, h_q, total, block_h, block_n, dv, sms) == want
 
 
-def test_v32_calls_run_the_tl_dot_kernel_where_model1_calls_run_the_gluon_kernel():
-    """The Gluon kernel reads the MODEL1 cache only (dispatch.GLUON_LAYOUTS): on every case of
-    the fixture, on a Hopper GPU that runs Gluon too, a V3.2 call gets exactly the pick of a GPU
-    without Gluon (the tl.dot kernel, its config and form, and its schedule), and the caches'
-    Gluon copy width is 0."""
+def test_v32_calls_run_gluon_heads_as_m_where_model1_calls_do_and_tl_dot_elsewhere():
+    """The Gluon kernel reads V3.2's cache in the heads-as-M form only (dispatch.GLUON_LAYOUTS):
+    on every case of the fixture, on a Hopper GPU that runs Gluon, a V3.2 call whose MODEL1 twin
+    runs heads as M runs it too, on the same schedule; any other V3.2 call gets exactly the pick
+    of a GPU without Gluon (the tl.dot kernel, its config and form, and its schedule). A V3.2
+    cache as mla and FlashMLA allocate it ((P + 1) * 656 bytes a page) is copied 16 bytes at a
+    time."""
     from mla.layout import V32
 
-    assert dispatch.GLUON_LAYOUTS == (layout.MODEL1,)
-    gluon_picked = 0
+    assert set(dispatch.GLUON_LAYOUTS) == {layout.MODEL1, V32}
+    assert dispatch.GLUON_LAYOUTS[V32] == ("heads as M",) and dispatch.PORTABLE_LAYOUTS == (layout.MODEL1,)
+    picked = collections.Counter()
     for case, _want in _rows():
         table = configs.table_for(case["gpu"], "3.6", case["arch"])[1]
         args = (case["sms"], case["b"], case["s_q"], case["h_q"], case["topk"], case["extra_topk"],
                 16 if case["aligned"] else 0)
         model1 = dispatch.decide(table, True, *args)
         v32 = dispatch.decide(table, True, *args, layout=V32)
-        assert v32 == dispatch.decide(table, False, *args), case
-        assert v32[0].kernel == "tl_dot", case
-        gluon_picked += model1[0].kernel == "gluon"
-    assert gluon_picked > 100          # the cases where the MODEL1 call runs Gluon are many
+        if model1[0] == configs.GluonConfig("heads as M"):
+            assert v32 == model1, case
+        else:
+            assert v32 == dispatch.decide(table, False, *args), case
+            assert v32[0].kernel == "tl_dot", case
+        picked[v32[0].kernel, model1[0].kernel] += 1
+    assert picked["gluon", "gluon"] > 50 and picked["tl_dot", "gluon"] > 50     # both kinds of case are many
     cache = layout.quantize_kv(torch.zeros(2, 64, 576, dtype=torch.bfloat16))
-    assert dispatch.gluon_align(cache) == 0 and dispatch.gluon_align(cache, cache) == 0
+    assert cache.stride(0) == 65 * 656
+    assert dispatch.gluon_align(cache) == 16 and dispatch.gluon_align(cache, cache) == 16
 
 
 def test_a_forced_gluon_config_is_refused_for_v32_by_name():
     from mla.layout import V32
 
-    with pytest.raises(ValueError, match="^config: the Gluon kernel reads the MODEL1 cache only"):
-        dispatch.plan_launch(torch.device("cpu"), 1, 1, 64, 2048, 0, 0, config=configs.GluonConfig(), layout=V32)
+    with pytest.raises(ValueError, match=r"^config: the Gluon kernel reads V3.2's cache in the forms \['heads as M'\] "
+                                         r"only, not 'tokens as M, 16 x 64'"):
+        dispatch.plan_launch(torch.device("cpu"), 1, 1, 16, 2048, 0, 16,
+                             config=configs.GluonConfig("tokens as M, 16 x 64"), layout=V32)
+    # the form it has passes that check and meets the device's: the interpreter runs no Gluon
+    with pytest.raises(ValueError, match="^config: the Gluon kernel is for Hopper GPUs"):
+        dispatch.plan_launch(torch.device("cpu"), 1, 1, 64, 2048, 0, 16, config=configs.GluonConfig(), layout=V32)
+    with pytest.raises(ValueError, match="^config: the portable Gluon kernel reads the MODEL1 cache only"):
+        dispatch.plan_launch(torch.device("cpu"), 1, 1, 64, 2048, 0, 16, config=configs.PortableConfig(),
+                             layout=V32)

@@ -24,14 +24,15 @@ SHAPES = {
     "V4-TP8 b8": dict(b=8, s_q=1, h_q=8, topk=128, page=256, extra_topk=512, extra_page=64, lengths=True),
     "odd P61 h20": dict(b=3, s_q=3, h_q=20, topk=100, page=61, extra_topk=77, extra_page=13, lengths=True),
     "h128": dict(b=2, s_q=1, h_q=128, topk=300, page=64, empty_query=True),
-    # DeepSeek-V3.2's cache (the tl.dot kernel on every GPU)
+    # DeepSeek-V3.2's cache (the Gluon kernel heads as M on Hopper, the tl.dot kernel elsewhere)
     "V3.2 b4 h64": dict(b=4, s_q=1, h_q=64, topk=2048, page=64, d_qk=576),
     "V3.2 s_q2 h128 lengths extra": dict(b=3, s_q=2, h_q=128, topk=2048, page=64, extra_topk=128, extra_page=2,
                                          lengths=True, d_qk=576),
     "V3.2 odd P61 h20": dict(b=3, s_q=3, h_q=20, topk=100, page=61, empty_query=True, d_qk=576),
 }
-#: the shapes the Gluon kernel reads (MODEL1's cache)
-GLUON_SHAPES = [n for n, s in SHAPES.items() if s.get("d_qk", 512) == 512]
+#: (shape, form) of the Gluon kernel: every form on MODEL1's cache, heads as M on V3.2's
+#: (mla.dispatch.GLUON_LAYOUTS)
+GLUON_CASES = [(n, f) for n, s in SHAPES.items() for f in GLUON_FORMS if s.get("d_qk", 512) == 512 or f == "heads as M"]
 
 
 @pytest.mark.parametrize("impl", ["simt", "mma"])
@@ -85,14 +86,14 @@ def test_the_portable_gluon_kernel_matches_the_reference(isa, programs, name):
     assert lse_ok.ok, str(lse_ok)
 
 
-@pytest.mark.parametrize("variant", list(GLUON_FORMS))
 @pytest.mark.parametrize("programs", [None, 1, 7])
-@pytest.mark.parametrize("name", GLUON_SHAPES)
+@pytest.mark.parametrize("name,variant", GLUON_CASES)
 def test_gluon_kernel_on_gpu(name, programs, variant):
     """The sm_90 Gluon kernel's four forms (mla.configs.GLUON_FORMS), each forced on every
-    shape (the launch rule picks heads as M for h_q > 16 on grids that fill the GPU, tokens as M
-    for h_q <= 16), on the rule's schedule and on 1 and 7 persistent programs (7: shares that end
-    mid-query; for the two-consumer form, splits of each query)."""
+    MODEL1 shape (the launch rule picks heads as M for h_q > 16 on grids that fill the GPU, tokens
+    as M for h_q <= 16), and its heads-as-M form on every V3.2 shape, on the rule's schedule and on
+    1 and 7 persistent programs (7: shares that end mid-query; for the two-consumer form, splits of
+    each query)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is for sm_90")
     case = make_case(**SHAPES[name], device="cuda", seed=len(name))

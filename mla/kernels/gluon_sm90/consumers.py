@@ -6,7 +6,8 @@ Three forms, one function each:
 - :func:`consumer_heads` (heads as M, 64 heads): two warpgroups decode a tile into one fp16 tile
   buffer ``K[64, 512]`` (K for S = Q.K^T and V for O += P.V), compute S split by columns
   (warpgroup ``w`` takes tokens ``32w ..``, nothing twice), then P.V with O ``[64, 512]`` split
-  by columns (256 per warpgroup);
+  by columns (256 per warpgroup); for DeepSeek-V3.2's cache (``V32``) S adds Q's and the ring
+  stage's 64 bf16 rope columns, and V is the 512 FP8 columns;
 - :func:`consumer_tokens` (tokens as M, 16 or 8 heads): the token tile is the M of both dots,
   ``S^T = K.Q^T`` and ``O^T += V^T.P^T``, so that few heads are padded to 16 or 8, not 64; with
   8 heads a tile is two ring stages (128 tokens);
@@ -21,7 +22,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from ..common import DIM, LN2, NOPE_TILES, finish_softmax, piece, query_rows, sink_factor, softmax_step, tile_source, \
+from ..common import DIM, LN2, NOPE_TILES, ROPE_W, finish_softmax, piece, query_rows, sink_factor, softmax_step, tile_source, \
     to_bf16, token_rows, ue8m0_to_f32
 from .compat import cta_barrier, reinterpret
 from .ring import RING_N, tile_rows
@@ -60,6 +61,28 @@ def _load_q(q_row, q_sh, h_q, hb, q_smem, HEADS: gl.constexpr):
     qc = gl.arange(0, DIM, layout=gl.SliceLayout(0, ROWS_L))
     qv = gl.load(q_row + (qh.to(gl.int64) * q_sh)[:, None] + qc[None, :], mask=(qh < h_q)[:, None], other=0.0)
     q_smem.store(qv.to(gl.float16))
+
+
+@gluon.jit
+def _load_q_rope(q_row, q_sh, h_q, hb, qr_smem, HEADS: gl.constexpr):
+    """V3.2's Q rope: columns 512 .. 575 of heads ``hb*HEADS ..`` into shared memory as bf16, as
+    they are (zeros past h_q)."""
+    L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    qh = hb * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, L))
+    qc = DIM + gl.arange(0, ROPE_W, layout=gl.SliceLayout(0, L))
+    qr_smem.store(gl.load(q_row + (qh.to(gl.int64) * q_sh)[:, None] + qc[None, :], mask=(qh < h_q)[:, None],
+                          other=0.0))
+
+
+@gluon.jit
+def _store_tile_v32(kb, nb, sc, OUT: gl.constexpr):
+    """V3.2's tile decode: all 8 groups of ``[BLOCK_N, 8, 64]`` are FP8, group ``g`` times the
+    token's float32 scale ``g // 2`` (``sc [BLOCK_N, 4]``, each scale duplicated onto its two
+    groups in registers), stored as one ``[BLOCK_N, 512]`` block into the tile buffer ``kb``."""
+    L2: gl.constexpr = gl.SliceLayout(2, nb.type.layout)
+    scale = gl.convert_layout(gl.reshape(gl.join(sc, sc), [sc.shape[0], 8]), L2, assert_trivial=True)
+    v = nb.to(gl.float8e4nv, bitcast=True).to(OUT) * scale[:, :, None].to(OUT)
+    kb.store(gl.reshape(v, [v.shape[0], DIM]))
 
 
 @gluon.jit
@@ -129,13 +152,14 @@ def store_piece(o, m_i, l_i, hb, q, s_q, h_q, split, slot, out_ptr, lse_ptr, sin
 def consumer_heads(hb, p, x0, x1, q0, c0, q_end, s_q, h_q, q_ptr, q_sb, q_ss, q_sh, out_ptr, lse_ptr, sink_ptr,
                    sink_stride, po_ptr, plse_ptr, idx_ptr, idx_sb, idx_ss, topk, len_ptr, len_stride, eidx_ptr,
                    eidx_sb, eidx_ss, etopk, elen_ptr, elen_stride, q_smem, k_smem, kbf_smem, p_smem, nope_r, rope_r, sc_r, ready,
-                   empty, kc_ptr, kc_stride, kc_P, kc_n, ec_ptr, ec_stride, ec_P, ec_n, sm_scale_log2,
+                   empty, kc_ptr, kc_stride, kc_P, kc_n, ec_ptr, ec_stride, ec_P, ec_n, sm_scale_log2, qr_smem,
                    HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_ELEN: gl.constexpr,
-                   ALIGN: gl.constexpr, STAGES: gl.constexpr, HEADS: gl.constexpr):
+                   ALIGN: gl.constexpr, STAGES: gl.constexpr, HEADS: gl.constexpr, V32: gl.constexpr = False):
     """The default partition of the heads-as-M form (8 warps), over the pieces of its program's
     share of the work list, query after query: Q in, then per tile decode from the ring into the
     tile buffer, release the stage, S, the softmax step and P.V; the piece's output out, through
-    the tile buffer (``kbf_smem``: its bf16 view)."""
+    the tile buffer (``kbf_smem``: its bf16 view). ``V32``: Q's rope in ``qr_smem``, and the stage
+    released at the barrier after S, which reads its rope in place."""
     OUT: gl.constexpr = gl.float16
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                   instr_shape=[16, RING_N // 2, 16])
@@ -154,6 +178,8 @@ def consumer_heads(hb, p, x0, x1, q0, c0, q_end, s_q, h_q, q_ptr, q_sb, q_ss, q_
         # S of the last piece is done (both warpgroups passed its last barrier before P.V), and the
         # barrier at the top of this piece's first tile orders the store before its first wgmma.
         _load_q(q_ptr + q_off, q_sh, h_q, hb, q_smem, HEADS)
+        if V32:
+            _load_q_rope(q_ptr + q_off, q_sh, h_q, hb, qr_smem, HEADS)
         m_i = gl.full([HEADS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
         l_i = gl.zeros([HEADS], gl.float32, layout=gl.SliceLayout(1, S_L))
         o = gl.zeros([HEADS, DIM], gl.float32, layout=O_L)
@@ -163,23 +189,34 @@ def consumer_heads(hb, p, x0, x1, q0, c0, q_end, s_q, h_q, q_ptr, q_sb, q_ss, q_
             # in the wait and the decode (an index reload that hits in cache costs less than moving
             # the mask between layouts).
             _c, vs, _r, _s = tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
-                                       ec_stride, ec_P, ec_n, idx_extra, n2, RING_N, HAS_EXTRA, SCOL_L, ALIGN)
+                                       ec_stride, ec_P, ec_n, idx_extra, n2, RING_N, HAS_EXTRA, SCOL_L, ALIGN, V32)
             mbarrier.wait(ready.index(st), (j // STAGES) & 1)
             cta_barrier()          # both warpgroups are past their P.V of the last tile: the tile buffer is free
             nb = nope_r.index(st).load(DECODE_L)
-            rope = rope_r.index(st).load(DECODE_L)
-            sb = sc_r.index(st).load(gl.SliceLayout(2, DECODE_L))
-            _store_tile(k_smem, nb, sb, rope, OUT)
+            if V32:
+                sc = sc_r.index(st).load(gl.SliceLayout(2, DECODE_L))
+                _store_tile_v32(k_smem, nb, sc, OUT)
+            else:
+                rope = rope_r.index(st).load(DECODE_L)
+                sb = sc_r.index(st).load(gl.SliceLayout(2, DECODE_L))
+                _store_tile(k_smem, nb, sb, rope, OUT)
             fence_async_shared()
             cta_barrier()
-            mbarrier.arrive(empty.index(st))   # every consumer thread has read the stage
-            s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+            if V32:
+                s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                s_tok = warpgroup_mma(qr_smem, rope_r.index(st).permute((1, 0)), s_tok, is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+            else:
+                mbarrier.arrive(empty.index(st))   # every consumer thread has read the stage
+                s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
             pr, alpha, m_i, l_i = softmax_step(s, vs, m_i, l_i, sm_scale_log2, 1)
             p_smem.store(pr.to(OUT))
             o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
             fence_async_shared()
             cta_barrier()
+            if V32:
+                mbarrier.arrive(empty.index(st))   # both warpgroups' S, the stage's last readers, are done
             o_tok = warpgroup_mma(p_smem, k_smem, o, is_async=True)
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
             j += 1

@@ -5,6 +5,11 @@ One persistent program per (head block, share of the work list) runs a producer 
 (:mod:`.consumers`), over the pieces of the queries in its share. Shared memory with 64 heads:
 Q 64 KB, the tile buffer 64 KB, P 8 KB and the ring 2 x 40.5 KB, 217 KB of the H200's 227. The outputs (final, or split partials for
 :mod:`mla.kernels.combine`) are those of the ``tl.dot`` kernel.
+
+DeepSeek-V3.2's cache (``V32``, heads as M only) adds 64 rope columns to Q and K and leaves V the
+512 nope ones. Its rope is not decoded: S adds ``Q_rope . K_rope^T`` in bf16 from Q's own 8 KB and
+from the ring stage, so the tile buffer stays ``[64, 512]``; with the 4 float32 scales the plan is
+226 KB.
 """
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from ..common import DIM, query_rows, share_bounds, split_range, write_share_record
+from ..common import DIM, ROPE_W, query_rows, share_bounds, split_range, write_share_record
 from .compat import cta_barrier, reinterpret
 from .consumers import ROWS_L4, consumer_heads, consumer_pair, consumer_tokens, load_q_pair, store_piece
 from .ring import RING_N, producer, producer_one
@@ -40,12 +45,13 @@ PAIR_REGS = 216
 GROUP_MAJOR = 1
 
 
-def launch_options(heads: int, tile_tokens: int, two_consumers: bool) -> dict:
+def launch_options(heads: int, tile_tokens: int, two_consumers: bool, v32: bool = False) -> dict:
     """The launch's warps and the kernel's constexprs for a form: ``heads`` per program,
     ``tile_tokens`` per consumer tile (64 or 128), and whether two consumers share the program
-    (the forms are :data:`mla.configs.GLUON_FORMS`). The launch (:func:`gluon_decode`) and the
-    ahead-of-time variants (:mod:`mla.aot`) both take them from here."""
-    return {"num_warps": PAIR_WARPS.value if two_consumers else NUM_WARPS, "HEADS": heads,
+    (the forms are :data:`mla.configs.GLUON_FORMS`), ``v32`` for DeepSeek-V3.2's cache. The
+    launch (:func:`launch_params`) and the ahead-of-time variants (:mod:`mla.aot`) both take them
+    from here; a MODEL1 launch passes no ``V32``, so that its compiled variant is the same."""
+    return ({"V32": True} if v32 else {}) | {"num_warps": PAIR_WARPS.value if two_consumers else NUM_WARPS, "HEADS": heads,
             "RING_TILES": tile_tokens // RING_N.value, "TWO_CONSUMERS": int(two_consumers), "STAGES": STAGES,
             "PRODUCER_REGS": PRODUCER_REGS, "CONSUMER_REGS": PAIR_REGS,
             "GROUP_MAJOR": 0 if two_consumers else GROUP_MAJOR}
@@ -80,7 +86,7 @@ def gluon_decode_kernel(
     HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_ELEN: gl.constexpr,
     ALIGN: gl.constexpr, HEADS: gl.constexpr, RING_TILES: gl.constexpr,
     TWO_CONSUMERS: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    GROUP_MAJOR: gl.constexpr,
+    GROUP_MAJOR: gl.constexpr, V32: gl.constexpr = False,
 ):
     """In a form of :data:`mla.configs.GLUON_FORMS` (:func:`launch_options` gives its constexprs):
     ``HEADS`` 64, heads as the M of the dots; 16 or 8, tokens as M, with tiles of ``RING_TILES``
@@ -89,13 +95,14 @@ def gluon_decode_kernel(
     two consumer warpgroups: one program per (query row, uniform split ``num_programs``).
     ``STAGES``: ring stages; ``PRODUCER_REGS``: the producer's registers when it is a worker;
     ``CONSUMER_REGS``: each of the two consumers'; ``GROUP_MAJOR``: the FP8 ring's byte order;
-    ``ALIGN``: the width of the ring's copies (:func:`row_align`)."""
+    ``ALIGN``: the width of the ring's copies (:func:`row_align`); ``V32``: DeepSeek-V3.2's cache."""
     if TWO_CONSUMERS:
         gl.static_assert(HEADS == 8 and RING_TILES == 1, "two consumers: 8 heads x 64 tokens (16 heads take 235 KB)")
     else:
         gl.static_assert((HEADS == 64 and RING_TILES == 1) or (HEADS == 16 and RING_TILES == 1)
                          or (HEADS == 8 and RING_TILES == 2),
                          "heads x tile: 64 x 64 (heads as M), 16 x 64 or 8 x 128 (tokens as M)")
+    gl.static_assert(not V32 or (HEADS == 64 and not TWO_CONSUMERS), "V3.2's cache: the heads-as-M form only")
     OUT: gl.constexpr = gl.float16
     PW: gl.constexpr = PRODUCER_WARPS
     Q_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEADS, DIM], OUT)
@@ -106,6 +113,8 @@ def gluon_decode_kernel(
     R3: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 1, [2, 1, 0])
     RN: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 1, [2, 0, 1] if GROUP_MAJOR else [2, 1, 0])
     R2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    K_ROPE_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([RING_N, ROPE_W], gl.bfloat16)
+    Q_ROPE_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEADS, ROPE_W], gl.bfloat16)
 
     hb = gl.program_id(0)
     p = gl.program_id(1)
@@ -125,8 +134,12 @@ def gluon_decode_kernel(
             write_share_record(rec_ptr, p, p_last, x0, x1, q0, c0, q_end, c_last, u_last, n_q, num_programs)
 
     nope_r = gl.allocate_shared_memory(gl.uint8, [STAGES, RING_N, 8, 64], RN)
-    rope_r = gl.allocate_shared_memory(gl.bfloat16, [STAGES, RING_N, 1, 64], R3)
-    sc_r = gl.allocate_shared_memory(gl.uint8, [STAGES, RING_N, 8], R2)
+    if V32:       # the rope as S's second B operand, read in place; 4 float32 scales a token
+        rope_r = gl.allocate_shared_memory(gl.bfloat16, [STAGES, RING_N, ROPE_W], K_ROPE_S)
+        sc_r = gl.allocate_shared_memory(gl.float32, [STAGES, RING_N, 4], R2)
+    else:
+        rope_r = gl.allocate_shared_memory(gl.bfloat16, [STAGES, RING_N, 1, 64], R3)
+        sc_r = gl.allocate_shared_memory(gl.uint8, [STAGES, RING_N, 8], R2)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -150,6 +163,10 @@ def gluon_decode_kernel(
         k_smem = gl.allocate_shared_memory(OUT, [RING_TILES * RING_N, DIM], K_S)
         p_smem = gl.allocate_shared_memory(OUT, [HEADS, RING_TILES * RING_N], P_S)
         kbf_smem = reinterpret(k_smem, gl.bfloat16, [RING_TILES * RING_N, DIM], K_S)   # heads as M's output stage
+        if V32:
+            qr_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, ROPE_W], Q_ROPE_S)
+        else:
+            qr_smem = q_smem          # a stand-in, never read: MODEL1's Q has no rope of its own
     fence_async_shared()
     cta_barrier()
 
@@ -189,12 +206,12 @@ def gluon_decode_kernel(
                               sink_ptr, sink_stride, po_ptr, plse_ptr, idx_ptr, idx_sb, idx_ss, topk, len_ptr,
                               len_stride, eidx_ptr, eidx_sb, eidx_ss, etopk, elen_ptr, elen_stride, q_smem, k_smem,
                               kbf_smem, p_smem, nope_r, rope_r, sc_r, ready, empty, kc_ptr, kc_stride, kc_P, kc_n,
-                              ec_ptr, ec_stride, ec_P, ec_n, sm_scale_log2, HAS_SINK, HAS_LEN, HAS_EXTRA, HAS_ELEN,
-                              ALIGN, STAGES, HEADS)),
+                              ec_ptr, ec_stride, ec_P, ec_n, sm_scale_log2, qr_smem, HAS_SINK, HAS_LEN, HAS_EXTRA,
+                              HAS_ELEN, ALIGN, STAGES, HEADS, V32)),
             (producer, (nope_r, rope_r, sc_r, ready, empty, x0, x1, q0, c0, q_end, n_q, s_q, idx_ptr, idx_sb, idx_ss,
                         topk, len_ptr, len_stride, eidx_ptr, eidx_sb, eidx_ss, etopk, elen_ptr, elen_stride, kc_ptr,
                         kc_stride, kc_P, kc_n, ec_ptr, ec_stride, ec_P, ec_n, HAS_LEN, HAS_EXTRA, HAS_ELEN, ALIGN,
-                        STAGES, PW, 1)),
+                        STAGES, PW, 1, V32)),
         ], [PW], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -212,9 +229,9 @@ def gluon_decode_kernel(
 
 
 def launch_params(n_q: int, h_q: int, programs: int, *, heads: int, tile_tokens: int, two_consumers: bool,
-                  align: int) -> tuple:
+                  align: int, v32: bool = False) -> tuple:
     """(grid, constexpr and launch keywords) of the kernel in a form (:func:`launch_options`),
     besides the HAS_* flags: ``programs`` shares of the work list, or for the two-consumer form
     ``programs`` uniform splits of each of the ``n_q`` query rows."""
     grid = ((h_q + heads - 1) // heads, programs) + ((n_q,) if two_consumers else ())
-    return grid, dict(ALIGN=align, **launch_options(heads, tile_tokens, two_consumers))
+    return grid, dict(ALIGN=align, **launch_options(heads, tile_tokens, two_consumers, v32))
