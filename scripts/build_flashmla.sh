@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build DeepSeek's FlashMLA sparse decode for sm_90a from a FlashMLA source checkout, offline, so
+# Build DeepSeek's FlashMLA sparse decode and sparse prefill for sm_90a from a FlashMLA source checkout, offline, so
 # that `python -m mla.bench` can time it beside mla in the same run (book/running.md).
 #
 #   bash scripts/build_flashmla.sh SRC_DIR [CUTLASS]
@@ -10,8 +10,9 @@
 #          a CUTLASS source tree, or the nvidia-cutlass 4.2.0.0 wheel, whose cutlass_library/source
 #          is that tree. Without it, the installed nvidia-cutlass package's is used.
 #
-# Only sparse_decode_fwd is registered, so only its ten sources compile (the decode, the
-# scheduler, the combine and the sm100 stubs the decode's dispatch names): about 70 s on 16 cores.
+# Only sparse_decode_fwd and sparse_prefill_fwd are registered, so only their sources compile (the
+# decode, the scheduler, the combine, the sm_90 prefill and the sm100 stubs their dispatch names):
+# about 60 s on 16 cores.
 # Then: PYTHONPATH=SRC_DIR:$PYTHONPATH python -m mla.bench --sweep ...
 set -euo pipefail
 [ $# -ge 1 ] || { sed -n 2,14p "$0"; exit 2; }
@@ -29,6 +30,16 @@ SOURCES=(
   csrc/sm100/decode/head64/instantiations/v32.cu
   csrc/sm100/decode/head64/instantiations/model1.cu
   csrc/sm100/prefill/sparse/fwd_for_small_topk/head128/instantiations/phase1_decode_k512.cu
+  csrc/sm90/prefill/sparse/fwd.cu
+  csrc/sm90/prefill/sparse/instantiations/phase1_k512.cu
+  csrc/sm90/prefill/sparse/instantiations/phase1_k512_topklen.cu
+  csrc/sm90/prefill/sparse/instantiations/phase1_k576.cu
+  csrc/sm90/prefill/sparse/instantiations/phase1_k576_topklen.cu
+  csrc/sm100/prefill/sparse/fwd/head64/instantiations/phase1_k512.cu
+  csrc/sm100/prefill/sparse/fwd/head64/instantiations/phase1_k576.cu
+  csrc/sm100/prefill/sparse/fwd/head128/instantiations/phase1_k512.cu
+  csrc/sm100/prefill/sparse/fwd/head128/instantiations/phase1_k576.cu
+  csrc/sm100/prefill/sparse/fwd_for_small_topk/head128/instantiations/phase1_prefill_k512.cu
 )
 for f in "${SOURCES[@]}"; do
   [ -f "$SRC/$f" ] || { echo "build_flashmla: $SRC has no $f (this script knows FlashMLA 9241ae3's tree)" >&2; exit 2; }
@@ -66,10 +77,12 @@ cat > "$SRC/csrc/api/api_sparse_decode.cpp" <<'CPP'
 #include <pybind11/pybind11.h>
 
 #include "sparse_decode.h"
+#include "sparse_fwd.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "FlashMLA (sparse decode only)";
     m.def("sparse_decode_fwd", &sparse_attn_decode_interface);
+    m.def("sparse_prefill_fwd", &sparse_attn_prefill_interface);
 }
 CPP
 
@@ -101,7 +114,7 @@ import json, subprocess, sys
 out, commit, seconds, sources = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
 nvcc = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()
 info = {"commit": commit, "built_by": "mla scripts/build_flashmla.sh", "arch": "sm_90a",
-        "registered": ["sparse_decode_fwd"], "sources": ["csrc/api/api_sparse_decode.cpp", *sources],
+        "registered": ["sparse_decode_fwd", "sparse_prefill_fwd"], "sources": ["csrc/api/api_sparse_decode.cpp", *sources],
         "nvcc": nvcc[-1] if nvcc else "unknown", "build_s": seconds}
 json.dump(info, open(out, "w"), indent=1)
 print(f"build_flashmla: built {out.rsplit('/', 2)[0]}/flash_mla in {seconds} s; {out}")
