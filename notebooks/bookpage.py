@@ -340,9 +340,11 @@ def sweep_heatmap(impl: str = "mma", doc: dict | None = None, padded: bool = Tru
     panels = sorted(set(zip(full.h_q, full.s_q)))
     n_rows = math.ceil(len(panels) / 2)
     heights = [len(configs)] * n_rows + ([len(set(zip(low.h_q, low.s_q))) * 0.9] if len(low) else [])
-    fig = plt.figure(figsize=(11, 1.0 + 0.52 * sum(heights) + 0.75 * len(heights)))
-    gs = fig.add_gridspec(len(heights), 2, height_ratios=heights, hspace=0.55, wspace=0.08, top=0.93,
-                          bottom=0.06)
+    fig_h = 1.0 + 0.52 * sum(heights) + 0.75 * len(heights)
+    fig = plt.figure(figsize=(11, fig_h))
+    # the title 0.65 inch above the panels, and room for a row's axis label, however few its configs
+    gs = fig.add_gridspec(len(heights), 2, height_ratios=heights, hspace=max(0.55, 1.5 / np.mean(heights)), wspace=0.08, top=1 - 0.65 / fig_h,
+                          bottom=max(0.06, 0.5 / fig_h))
     image = None
     for k, (h_q, s_q) in enumerate(panels):
         ax = fig.add_subplot(gs[k // 2, k % 2])
