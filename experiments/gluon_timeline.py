@@ -67,7 +67,7 @@ CONSUMER_STAMPS = (
     ("after", "mbarrier.wait(ready.index(st)", ("wait ready", "wait")),
     ("after", "cta_barrier()          # both warpgroups", ("barrier", "barrier")),
     ("after", "_store_tile(k_smem, nb, sb, rope, OUT)", ("decode", "decode")),
-    ("after", "mbarrier.arrive(empty.index(st))", ("fence, barrier, arrive empty", "barrier")),
+    ("after", "mbarrier.arrive(empty.index(st))   # every consumer thread", ("fence, barrier, arrive empty", "barrier")),
     ("after", "s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))", ("S", "S")),
     ("after", "= softmax_step(", ("softmax", "softmax")),
     ("after", "o = o * gl.convert_layout(alpha", ("P store, O rescale", "P")),
@@ -237,18 +237,18 @@ def instrumented_sources() -> dict:
     ring = _edit(src["ring.py"], "from .compat import cp_async\n", "from .compat import cp_async\n" + imports,
                  "ring.py")
     ring = _in_function(ring, "_produce", lambda t: _stamp_loop(
-        _stamp_params(t, "RING_TILES: gl.constexpr, LP: gl.constexpr):"),
+        _stamp_params(t, "LP: gl.constexpr, V32: gl.constexpr = False):"),
         "    for ti in range(lo, lo + ", "    return j\n", PRODUCER_STAMPS,
         "_produce"))
     ring = _in_function(ring, "producer", lambda t: _open_and_close(_edit(
-        _stamp_params(t, "             RING_TILES: gl.constexpr):"),
-        "                     RING_TILES, LP)\n", "                     RING_TILES, LP, stamp_row, stamp_tiles)\n",
+        _stamp_params(t, "             RING_TILES: gl.constexpr, V32: gl.constexpr = False):"),
+        "                     RING_TILES, LP, V32)\n", "                     RING_TILES, LP, V32, stamp_row, stamp_tiles)\n",
         "producer")))
 
     cons = _edit(src["consumers.py"], "from .compat import cta_barrier, reinterpret\n",
                  "from .compat import cta_barrier, reinterpret\n" + imports, "consumers.py")
     cons = _in_function(cons, "consumer_heads", lambda t: _open_and_close(_stamp_loop(
-        _stamp_params(t, "ALIGN: gl.constexpr, STAGES: gl.constexpr, HEADS: gl.constexpr):"),
+        _stamp_params(t, "STAGES: gl.constexpr, HEADS: gl.constexpr, V32: gl.constexpr = False):"),
         "        for ti in range(lo, hi):\n", "            j += 1\n", CONSUMER_STAMPS, "consumer_heads")))
 
     kern = _edit(src["kernel.py"], "from .compat import cta_barrier, reinterpret\n",
@@ -258,9 +258,9 @@ def instrumented_sources() -> dict:
                  "    n_q, s_q, h_q, sm_scale_log2, share, num_programs, stamp_ptr, stamp_tiles,\n", "kernel.py")
     kern = _edit(kern, "    p = gl.program_id(1)\n",
                  "    p = gl.program_id(1)\n    stamp_row = program_row(stamp_ptr, p, stamp_tiles)\n", "kernel.py")
-    kern = _edit(kern, "ALIGN, STAGES, HEADS)),\n            (producer, (",
-                 "ALIGN, STAGES, HEADS, stamp_row, stamp_tiles)),\n            (producer, (", "kernel.py")
-    kern = _edit(kern, "STAGES, PW, 1)),\n", "STAGES, PW, 1, stamp_row, stamp_tiles)),\n", "kernel.py")
+    kern = _edit(kern, "ALIGN, STAGES, HEADS, V32)),\n            (producer, (",
+                 "ALIGN, STAGES, HEADS, V32, stamp_row, stamp_tiles)),\n            (producer, (", "kernel.py")
+    kern = _edit(kern, "STAGES, PW, 1, V32)),\n", "STAGES, PW, 1, V32, stamp_row, stamp_tiles)),\n", "kernel.py")
 
     out = {name: text.replace("from ..", "from mla.kernels.") for name, text in
            {**src, "ring.py": ring, "consumers.py": cons, "kernel.py": kern}.items()}

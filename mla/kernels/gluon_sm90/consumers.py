@@ -202,14 +202,12 @@ def consumer_heads(hb, p, x0, x1, q0, c0, q_end, s_q, h_q, q_ptr, q_sb, q_ss, q_
                 _store_tile(k_smem, nb, sb, rope, OUT)
             fence_async_shared()
             cta_barrier()
-            if V32:
-                s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                s_tok = warpgroup_mma(qr_smem, rope_r.index(st).permute((1, 0)), s_tok, is_async=True)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-            else:
+            if not V32:
                 mbarrier.arrive(empty.index(st))   # every consumer thread has read the stage
-                s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+            s_tok = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            if V32:                                # S's rope part, read from the stage in place
+                s_tok = warpgroup_mma(qr_smem, rope_r.index(st).permute((1, 0)), s_tok, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
             pr, alpha, m_i, l_i = softmax_step(s, vs, m_i, l_i, sm_scale_log2, 1)
             p_smem.store(pr.to(OUT))
             o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
