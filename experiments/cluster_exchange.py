@@ -88,17 +88,24 @@ def st_async_whole_dst(x_ptr, y_ptr, SPLIT: gl.constexpr, SMEM: gl.constexpr, WH
 
 
 @gluon.jit
+def _halves_and_q(q_ptr, L3: gl.constexpr, QSMEM: gl.constexpr, QL: gl.constexpr, TOKENS: gl.constexpr,
+                  DIM: gl.constexpr, HEADS: gl.constexpr):
+    """The offsets of this CTA's half of a [TOKENS, DIM] tile (CGA: the row halves) and Q in shared memory."""
+    SPLIT: gl.constexpr = gl.SliceLayout(0, L3)
+    rows = gl.arange(0, TOKENS, layout=gl.SliceLayout(1, SPLIT))
+    cols = gl.arange(0, DIM, layout=gl.SliceLayout(0, SPLIT))
+    qr = gl.arange(0, HEADS, layout=gl.SliceLayout(1, QL))
+    qc = gl.arange(0, DIM, layout=gl.SliceLayout(0, QL))
+    q_smem = gl.allocate_shared_memory(gl.float16, [HEADS, DIM], QSMEM, gl.load(q_ptr + qr[:, None] * DIM + qc[None, :]))
+    return rows[:, None] * DIM + cols[None, :], q_smem
+
+
+@gluon.jit
 def copies_wgmma(kv_ptr, q_ptr, o_ptr, n_tiles, L3: gl.constexpr, SMEM3: gl.constexpr, SMEM2: gl.constexpr,
                  QSMEM: gl.constexpr, QL: gl.constexpr, ACC: gl.constexpr, TOKENS: gl.constexpr,
                  DIM: gl.constexpr, HEADS: gl.constexpr, ASYNC: gl.constexpr):
     """Each CTA decodes its 32 rows of every FP8 tile and stores them into both CTAs' copy; S = Q K^T."""
-    SPLIT: gl.constexpr = gl.SliceLayout(0, L3)           # [64, 512], CGA: the row halves
-    rows = gl.arange(0, TOKENS, layout=gl.SliceLayout(1, SPLIT))
-    cols = gl.arange(0, DIM, layout=gl.SliceLayout(0, SPLIT))
-    offs = rows[:, None] * DIM + cols[None, :]
-    qr = gl.arange(0, HEADS, layout=gl.SliceLayout(1, QL))
-    qc = gl.arange(0, DIM, layout=gl.SliceLayout(0, QL))
-    q_smem = gl.allocate_shared_memory(gl.float16, [HEADS, DIM], QSMEM, gl.load(q_ptr + qr[:, None] * DIM + qc[None, :]))
+    offs, q_smem = _halves_and_q(q_ptr, L3, QSMEM, QL, TOKENS, DIM, HEADS)
     copies = gl.allocate_shared_memory(gl.float16, [2, TOKENS, DIM], SMEM3)   # copy c lives in CTA c
     whole = copies.reinterpret(shape=[TOKENS, DIM], layout=SMEM2)              # each CTA: its copy, whole
     full = mbarrier.allocate_mbarrier()                                        # one a CTA
@@ -137,13 +144,7 @@ def copies_wgmma_2buf(kv_ptr, q_ptr, o_ptr, n_tiles, L3: gl.constexpr, SMEM3: gl
                       QSMEM: gl.constexpr, QL: gl.constexpr, ACC: gl.constexpr, TOKENS: gl.constexpr,
                       DIM: gl.constexpr, HEADS: gl.constexpr):
     """local_store_copies with two buffers, two tiles a loop iteration: one cluster barrier a tile."""
-    SPLIT: gl.constexpr = gl.SliceLayout(0, L3)
-    rows = gl.arange(0, TOKENS, layout=gl.SliceLayout(1, SPLIT))
-    cols = gl.arange(0, DIM, layout=gl.SliceLayout(0, SPLIT))
-    offs = rows[:, None] * DIM + cols[None, :]
-    qr = gl.arange(0, HEADS, layout=gl.SliceLayout(1, QL))
-    qc = gl.arange(0, DIM, layout=gl.SliceLayout(0, QL))
-    q_smem = gl.allocate_shared_memory(gl.float16, [HEADS, DIM], QSMEM, gl.load(q_ptr + qr[:, None] * DIM + qc[None, :]))
+    offs, q_smem = _halves_and_q(q_ptr, L3, QSMEM, QL, TOKENS, DIM, HEADS)
     copies0 = gl.allocate_shared_memory(gl.float16, [2, TOKENS, DIM], SMEM3)
     copies1 = gl.allocate_shared_memory(gl.float16, [2, TOKENS, DIM], SMEM3)
     whole0 = copies0.reinterpret(shape=[TOKENS, DIM], layout=SMEM2)

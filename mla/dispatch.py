@@ -359,12 +359,12 @@ class Launcher:
         b, s_q, h_q, d_qk = q.shape
         self.launch, self.n_q, self.s_q, self.h_q = launch, b * s_q, s_q, h_q
         cfg = launch.config
+        v32 = cache_layout(k_cache) is V32
         if cfg.kernel == "gluon":
             heads, tile_tokens, pair = GLUON_FORMS[cfg.form]
             self._module, self._name = gluon_sm90.kernel, "gluon_decode_kernel"
             grid, kw = gluon_sm90.launch_params(b * s_q, h_q, launch.programs, heads=heads, tile_tokens=tile_tokens,
-                                                two_consumers=pair, align=launch.align,
-                                                v32=cache_layout(k_cache) is V32)
+                                                two_consumers=pair, align=launch.align, v32=v32)
         elif cfg.kernel == "gluon_portable":
             self._module, self._name = (cross_arch, f"gluon_portable_sm{launch.isa}") if launch.isa else \
                 (gluon_portable, "gluon_portable_kernel")
@@ -377,7 +377,7 @@ class Launcher:
             grid, kw = tl_dot.launch_params(h_q, launch.programs, block_h=cfg.block_h, block_n=cfg.block_n,
                                             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                             dv_halves=cfg.dv_halves, fp8_native=launch.fp8_native,
-                                            dot=tl_dot.OPERAND_DTYPE, v32=cache_layout(k_cache) is V32)
+                                            dot=tl_dot.OPERAND_DTYPE, v32=v32)
         self.has_extra = extra_k_cache is not None
         self.kwargs = dict(HAS_SINK=attn_sink is not None, HAS_LEN=topk_length is not None,
                            HAS_EXTRA=self.has_extra, HAS_ELEN=extra_topk_length is not None, **kw)

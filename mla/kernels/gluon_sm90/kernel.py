@@ -51,10 +51,11 @@ def launch_options(heads: int, tile_tokens: int, two_consumers: bool, v32: bool 
     (the forms are :data:`mla.configs.GLUON_FORMS`), ``v32`` for DeepSeek-V3.2's cache. The
     launch (:func:`launch_params`) and the ahead-of-time variants (:mod:`mla.aot`) both take them
     from here; a MODEL1 launch passes no ``V32``, so that its compiled variant is the same."""
-    return ({"V32": True} if v32 else {}) | {"num_warps": PAIR_WARPS.value if two_consumers else NUM_WARPS, "HEADS": heads,
+    opts = {"num_warps": PAIR_WARPS.value if two_consumers else NUM_WARPS, "HEADS": heads,
             "RING_TILES": tile_tokens // RING_N.value, "TWO_CONSUMERS": int(two_consumers), "STAGES": STAGES,
             "PRODUCER_REGS": PRODUCER_REGS, "CONSUMER_REGS": PAIR_REGS,
             "GROUP_MAJOR": 0 if two_consumers else GROUP_MAJOR}
+    return {"V32": True, **opts} if v32 else opts
 
 
 def row_align(*caches) -> int:
