@@ -380,8 +380,8 @@ def test_the_portable_gluon_kernel_keeps_tiles_in_flight_on_every_architecture()
     """The portable Gluon kernel's forms (:func:`mla.configs.portable_generic`) compile for every
     architecture inside its shared memory; the token-tile loop runs on the tensor cores
     (``mma.sync``: HMMA), keeps ``stages - 1`` tiles' copies in flight across its wait
-    (``cp.async.wait_group`` as ``DEPBAR.LE SB0, stages - 1``), and spills nothing on sm_80, sm_89,
-    sm_100 and sm_120."""
+    (``cp.async.wait_group`` as ``DEPBAR.LE SB0, stages - 1``), and spills nothing in it on any
+    architecture, the 64-head forms' 128 accumulator registers a thread included."""
     variants, forms = [], []
     for arch in aot.ARCHS:
         for cfg in sorted(set(configs.portable_generic(arch).values()), key=lambda c: c.block_h):
@@ -394,5 +394,4 @@ def test_the_portable_gluon_kernel_keeps_tiles_in_flight_on_every_architecture()
         loops = aot.sass_loops(sass)
         assert len(loops) == 1 and loops[0]["tensor_core"] > 0, (arch, cfg, loops)
         assert "HGMMA" not in sass and f"DEPBAR.LE SB0, 0x{cfg.stages - 1}" in sass, (arch, cfg)
-        if arch != 90:
-            assert loops[0]["spill_loads"] == loops[0]["spill_stores"] == 0, (arch, cfg, loops)
+        assert loops[0]["spill_loads"] == loops[0]["spill_stores"] == 0, (arch, cfg, loops)

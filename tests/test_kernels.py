@@ -133,15 +133,18 @@ def test_another_architectures_code_is_refused_where_it_cannot_run_with_a_clear_
 def test_the_portable_kernels_forms_fit_each_architectures_shared_memory_and_registers():
     """:func:`mla.configs.portable_generic`: per head bucket the largest head block whose
     program fits the architecture's shared memory (the estimate, which the ahead-of-time test
-    holds above what the compiler allocates) and accumulator registers; 64 heads only on sm_90."""
+    holds above what the compiler allocates); 64 heads on sm_80, sm_90 and sm_100."""
     from mla import configs
 
     for arch in (80, 86, 89, 90, 100, 120):
-        for h, cfg in configs.portable_generic(arch).items():
-            assert configs.portable_shared_bytes(cfg) <= configs.smem_limit(arch)
-            assert cfg.block_h <= h and cfg.block_h * 512 // 256 <= configs.PORTABLE_ACCUMULATOR_REGS.get(arch, 64)
-    assert configs.portable_generic(90)[64] == PortableConfig(64, 64, 2)
-    assert configs.portable_generic(80)[64] == PortableConfig(32, 32, 3)        # 163 KB
+        table = configs.portable_generic(arch)
+        for h, cfg in table.items():
+            assert configs.portable_shared_bytes(cfg) <= configs.smem_limit(arch) and cfg.block_h <= h
+            bigger = [c for c in configs.PORTABLE_FORMS if cfg.block_h < c.block_h <= h]
+            assert all(configs.portable_shared_bytes(c) > configs.smem_limit(arch) for c in bigger), (arch, h)
+    assert configs.portable_generic(90)[64] == configs.portable_generic(100)[64] == PortableConfig(64, 64, 2)
+    assert configs.portable_generic(80)[64] == PortableConfig(64, 32, 3)        # 163 KB
+    assert configs.portable_generic(80)[32] == PortableConfig(32, 32, 3)
     assert configs.portable_generic(120)[64] == PortableConfig(16, 32, 2)       # 99 KB
     assert configs.smem_limit(86) == configs.smem_limit(89) == 99 * 1024
     with pytest.raises(ValueError, match="block_h"):

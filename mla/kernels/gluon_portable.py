@@ -4,13 +4,13 @@ any architecture from sm_80 on.
 
 One persistent program per (block of BLOCK_H heads, share of the work list), 8 warps, one
 partition. Per token tile: the copies (cp.async, zero-filled where invalid) of the tile
-``STAGES - 1`` ahead are issued first, then the wait for this tile's group
-(``cp.async.wait_group STAGES - 1``: the later groups stay in flight), the decode into an fp16
-tile buffer ``K [64, 512]``, S = Q.K^T in 8 column chunks of 64 and O += P.V in 4 column
-chunks of 128, with ``mma.sync`` (``mma_v2``): every warp owns 16 heads' rows and a slice of the
-columns, so S is computed once per tile, not once per warpgroup as Triton lays out ``tl.dot``'s
-chained dots. Shared memory: Q ``BLOCK_H x 512`` fp16, the tile buffer 64 KB and
-``STAGES`` x 40.5 KB of ring.
+``STAGES - 1`` ahead are issued first (their rows from indices loaded one tile earlier), then
+the wait for this tile's group (``cp.async.wait_group STAGES - 1``: the later groups stay in
+flight), the decode into an fp16 tile buffer ``K [BLOCK_N, 512]``, S = Q.K^T in 8 column chunks
+of 64 and O += P.V in 4 column chunks of 128, with ``mma.sync`` (``mma_v2``): every warp owns a
+block of S's and O's rows and columns, so S is computed once per tile, not once per warpgroup as
+Triton lays out ``tl.dot``'s chained dots. Shared memory: Q ``BLOCK_H x 512`` fp16, the tile
+buffer and ``STAGES`` ring stages of 648 bytes a token.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from .common import (DIM, LN2, NOPE_TILES, e4m3_to_f32, finish_softmax, piece, query_rows, share_bounds, sink_factor,
+from .common import (DIM, LN2, NOPE_TILES, finish_softmax, piece, query_rows, share_bounds, sink_factor,
                      softmax_step, to_bf16, ue8m0_to_f32, write_share_record)
 from .gluon_sm90.compat import cta_barrier
 from .gluon_sm90.ring import _copy_tile, tile_rows
@@ -39,6 +39,29 @@ S_CHUNK = gl.constexpr(64)
 
 
 @gluon.jit
+def _e4m3_to_f16(bits):
+    """FP8 e4m3fn bytes (uint8) -> fp16, exact, NaN included, where the GPU has no FP8 conversion
+    (sm_80, sm_86): four bytes a 32-bit word, each moved into the high byte of a 16-bit lane
+    (``prmt``) and shifted right by one: its 7 magnitude bits then form an fp16 of the value times
+    2**-8 (:func:`mla.kernels.common.e4m3_to_f32`'s trick), and adding the sign bit (now bit 14)
+    to itself moves it to bit 15. Two lanes an instruction, in fp16 throughout."""
+    h = gl.inline_asm_elementwise(
+        """{
+        .reg .b32 t<2>, m<2>;
+        prmt.b32 t0, $2, 0, 0x1404;
+        prmt.b32 t1, $2, 0, 0x3424;
+        shr.b32 t0, t0, 1;
+        shr.b32 t1, t1, 1;
+        and.b32 m0, t0, 0x40004000;
+        and.b32 m1, t1, 0x40004000;
+        add.u32 $0, t0, m0;
+        add.u32 $1, t1, m1;
+        }""", "=r,=r,r", [bits], dtype=gl.float16, is_pure=True, pack=4)
+    # 0x7F, e4m3fn's NaN, shifts to 1.875 (480 x 2**-8); the largest finite value is 448
+    return gl.where(gl.abs(h) == 1.875, float("nan"), h * 256.0)
+
+
+@gluon.jit
 def _decode(k_smem, nope_st, rope_st, sc_st, FP8_NATIVE: gl.constexpr, RING_L: gl.constexpr):
     """Decode one ring stage (FP8 times its UE8M0 scale; the rope on group 7), read back in
     ``RING_L``, into the tile buffer as fp16 ``[BLOCK_N, 512]``, in one store."""
@@ -49,21 +72,27 @@ def _decode(k_smem, nope_st, rope_st, sc_st, FP8_NATIVE: gl.constexpr, RING_L: g
     if FP8_NATIVE:
         v = nb.to(gl.float8e4nv, bitcast=True).to(gl.float16) * scale[:, :, None].to(gl.float16)
     else:
-        v = (e4m3_to_f32(nb) * scale[:, :, None]).to(gl.float16)
+        v = _e4m3_to_f16(nb) * scale[:, :, None].to(gl.float16)
     g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, RING_L)))
     v = gl.where((g < NOPE_TILES)[None, :, None], v, rope.to(gl.float16))
     k_smem.store(gl.reshape(v, [nb.shape[0], DIM]))
 
 
 @gluon.jit
-def _issue(stage, ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
-           idx_extra, n2, BLOCK_N: gl.constexpr, HAS_EXTRA: gl.constexpr, ALIGN: gl.constexpr,
-           RING_L: gl.constexpr):
-    """The copies of token tile ``ti`` (all invalid, so zero-filled, at or past ``hi``) into one
-    ring stage, the threads laid out as ``RING_L``, as one cp.async group."""
-    cache, valid, row, srow = tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
-                                        ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA,
-                                        gl.SliceLayout(1, gl.SliceLayout(2, RING_L)), ALIGN)
+def _ring_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
+               idx_extra, n2, BLOCK_N: gl.constexpr, HAS_EXTRA: gl.constexpr, ALIGN: gl.constexpr,
+               RING_L: gl.constexpr):
+    """(cache, valid, row, scale row) of token tile ``ti`` (all invalid at or past ``hi``), one
+    token a thread in the copying threads' layout ``RING_L``."""
+    return tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
+                     idx_extra, n2, BLOCK_N, HAS_EXTRA, gl.SliceLayout(1, gl.SliceLayout(2, RING_L)), ALIGN)
+
+
+@gluon.jit
+def _issue(stage, rows, RING_L: gl.constexpr):
+    """The copies of one token tile (its :func:`_ring_rows`) into one ring stage, as one cp.async
+    group."""
+    cache, valid, row, srow = rows
     _copy_tile(stage, cache, valid, row, srow, RING_L)
     async_copy.commit_group()
 
@@ -102,7 +131,13 @@ def gluon_portable_kernel(
         RING_L: gl.constexpr = gl.BlockedLayout([1, 8, 16], [8, 1, 4], [NUM_WARPS, 1, 1], [2, 1, 0])
     else:
         RING_L: gl.constexpr = gl.BlockedLayout([1, 4, 16], [8, 2, 2], [NUM_WARPS // 2, 1, 2], [2, 1, 0])
-    WM: gl.constexpr = BLOCK_H // 16
+    # the warps' grid over S and each O chunk (WM x 8 / WM): per tile the warps read from shared
+    # memory 8 KB x (BLOCK_H / WM + 2 BLOCK_N / (8 / WM)) of Q, K and V, least at 2 x 4 for
+    # 64 x 64 tiles (64 KB units against 80 at 4 x 2); elsewhere 16 heads a warp ties or wins
+    if BLOCK_H == 64 and BLOCK_N == 64:
+        WM: gl.constexpr = 2
+    else:
+        WM: gl.constexpr = BLOCK_H // 16
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WM, NUM_WARPS // WM],
                                                   instr_shape=[16, 8])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -139,8 +174,12 @@ def gluon_portable_kernel(
         idx_extra = eidx_ptr + e_off
         # the first STAGES - 1 tiles' copies fly while Q comes in
         for u in gl.static_range(STAGES - 1):
-            _issue((nope_r.index(u), rope_r.index(u), sc_r.index(u)), lo + u, hi, tiles1, kc_ptr, kc_stride, kc_P,
-                   kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN, RING_L)
+            _issue((nope_r.index(u), rope_r.index(u), sc_r.index(u)),
+                   _ring_rows(lo + u, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
+                              ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN, RING_L), RING_L)
+        # the rows of the tile the loop's first iteration copies: each iteration loads the next one's
+        nxt = _ring_rows(lo + STAGES - 1, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
+                         ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN, RING_L)
         qh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ROWS_L))
         qc = gl.arange(0, DIM, layout=gl.SliceLayout(0, ROWS_L))
         qv = gl.load(q_ptr + q_off + (qh.to(gl.int64) * q_sh)[:, None] + qc[None, :], mask=(qh < h_q)[:, None],
@@ -156,9 +195,10 @@ def gluon_portable_kernel(
             st = (ti - lo) % STAGES
             ahead = (ti - lo + STAGES - 1) % STAGES
             # the tile STAGES - 1 ahead goes into the stage the last tile was decoded from
-            _issue((nope_r.index(ahead), rope_r.index(ahead), sc_r.index(ahead)), ti + STAGES - 1, hi, tiles1,
-                   kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2,
-                   BLOCK_N, HAS_EXTRA, ALIGN, RING_L)
+            _issue((nope_r.index(ahead), rope_r.index(ahead), sc_r.index(ahead)), nxt, RING_L)
+            # the next iteration's copies need only this load, which flies while this tile is computed
+            nxt = _ring_rows(ti + STAGES, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
+                             ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN, RING_L)
             # this tile's score mask, in S's column layout (its load hides behind the wait)
             _cc, vs, _r, _s = tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
                                         ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, COL, ALIGN)
