@@ -237,10 +237,12 @@ def portable_variant(arch: int, cfg, has_extra=True, lengths=True, align=16, asm
                      loops=False) -> dict:
     """The portable Gluon kernel's variant for ``arch`` in a form
     (:class:`~mla.configs.PortableConfig`; sink and lengths on)."""
-    return {"kernel": "gluon_portable_kernel", "arch": arch, "num_warps": 8, "num_stages": 1, "maxnreg": 0,
-            "loops": loops, "asm": list(asm),
-            "constexprs": {**_flags(has_extra, lengths), "BLOCK_H": cfg.block_h, "BLOCK_N": cfg.block_n,
-                           "FP8_NATIVE": arch >= 89, "ALIGN": align, "STAGES": cfg.stages}}
+    from .kernels import gluon_portable
+
+    kw = gluon_portable.launch_params(64, 1, block_h=cfg.block_h, block_n=cfg.block_n, fp8_native=arch >= 89,
+                                      align=align, stages=cfg.stages)[1]
+    return {"kernel": "gluon_portable_kernel", "arch": arch, "num_warps": kw.pop("num_warps"), "num_stages": 1,
+            "maxnreg": 0, "loops": loops, "asm": list(asm), "constexprs": {**_flags(has_extra, lengths), **kw}}
 
 
 def config_variant(arch: int, cfg, asm: tuple = (), loops: bool = False, has_extra: bool = True,

@@ -118,7 +118,7 @@ def gluon_portable_kernel(
     n_q, s_q, h_q, sm_scale_log2, share, num_programs,
     HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_ELEN: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, FP8_NATIVE: gl.constexpr, ALIGN: gl.constexpr,
-    STAGES: gl.constexpr,
+    STAGES: gl.constexpr, WARPS_M: gl.constexpr,
 ):
     """One persistent program per (BLOCK_H heads, share of the work list), over the pieces of
     its share (:func:`mla.kernels.common.share_bounds`); the outputs are the ``tl.dot``
@@ -131,14 +131,7 @@ def gluon_portable_kernel(
         RING_L: gl.constexpr = gl.BlockedLayout([1, 8, 16], [8, 1, 4], [NUM_WARPS, 1, 1], [2, 1, 0])
     else:
         RING_L: gl.constexpr = gl.BlockedLayout([1, 4, 16], [8, 2, 2], [NUM_WARPS // 2, 1, 2], [2, 1, 0])
-    # the warps' grid over S and each O chunk (WM x 8 / WM): per tile the warps read from shared
-    # memory 8 KB x (BLOCK_H / WM + 2 BLOCK_N / (8 / WM)) of Q, K and V, least at 2 x 4 for
-    # 64 x 64 tiles (64 KB units against 80 at 4 x 2); elsewhere 16 heads a warp ties or wins
-    if BLOCK_H == 64 and BLOCK_N == 64:
-        WM: gl.constexpr = 2
-    else:
-        WM: gl.constexpr = BLOCK_H // 16
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WM, NUM_WARPS // WM],
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS_M, NUM_WARPS // WARPS_M],
                                                   instr_shape=[16, 8])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
@@ -242,10 +235,18 @@ def gluon_portable_kernel(
         c += units
 
 
+def warps_m(block_h: int, block_n: int) -> int:
+    """The warps' grid over S and each O chunk is ``warps_m x (8 / warps_m)``. Per tile the warps
+    read from shared memory 8 KB x (block_h / warps_m + 2 block_n / (8 / warps_m)) of Q, K and V:
+    least at 2 x 4 for 64 x 64 tiles (64 units against 80 at 4 x 2, and half of V's columns a
+    warp); elsewhere 16 heads a warp ties or wins."""
+    return 2 if (block_h, block_n) == (64, 64) else block_h // 16
+
+
 def launch_params(h_q: int, programs: int, *, block_h: int, block_n: int, fp8_native: bool, align: int,
                   stages: int) -> tuple:
     """(grid, constexpr and launch keywords) of the kernel on ``programs`` shares, besides the
     HAS_* flags."""
     grid = ((h_q + block_h - 1) // block_h, programs)
     return grid, dict(BLOCK_H=block_h, BLOCK_N=block_n, FP8_NATIVE=fp8_native, ALIGN=align, STAGES=stages,
-                      num_warps=NUM_WARPS.value)
+                      WARPS_M=warps_m(block_h, block_n), num_warps=NUM_WARPS.value)
