@@ -231,7 +231,7 @@ def _stamp_params(text: str, old: str) -> str:
 def instrumented_sources() -> dict:
     """The instrumented package's modules, by file name: the shipped ones with the stamps."""
     src = {p.name: p.read_text() for p in SHIPPED.glob("*.py")}
-    assert set(src) == {"__init__.py", "compat.py", "consumers.py", "kernel.py", "ring.py"}, sorted(src)
+    assert set(src) == {"__init__.py", "cluster.py", "compat.py", "consumers.py", "kernel.py", "ring.py"}, sorted(src)
     imports = "from .stamps import program_row, stamp, stamp_close, stamp_open\n"
 
     ring = _edit(src["ring.py"], "from .compat import cp_async\n", "from .compat import cp_async\n" + imports,

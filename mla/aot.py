@@ -55,14 +55,19 @@ def _kernel(name: str):
         from .kernels.gluon_portable import gluon_portable_kernel
 
         return gluon_portable_kernel, True
+    if name == "gluon_cluster_kernel":
+        from .kernels.gluon_sm90.cluster import gluon_cluster_kernel
+
+        return gluon_cluster_kernel, True
     return {"tl_dot_decode_kernel": tl_dot.tl_dot_decode_kernel, "simt_decode_kernel": simt.simt_decode_kernel,
             "combine_kernel": combine.combine_kernel, "sparse_prefill_kernel": prefill.sparse_prefill_kernel}[name], False
 
 
 def _compile_in_process(kernel_name: str, arch: int, constexprs: dict, num_warps: int, num_stages: int,
                         want_asm: tuple = (), types: dict | None = None, maxnreg: int = 0,
-                        loops: bool = False) -> dict:
-    """Compile one kernel variant (this process must have TRITON_INTERPRET unset or 0)."""
+                        loops: bool = False, num_ctas: int = 1) -> dict:
+    """Compile one kernel variant (this process must have TRITON_INTERPRET unset or 0);
+    ``num_ctas`` CTAs a cluster."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -93,6 +98,8 @@ def _compile_in_process(kernel_name: str, arch: int, constexprs: dict, num_warps
     options = {"num_warps": num_warps, "num_stages": num_stages}
     if maxnreg:
         options["maxnreg"] = maxnreg
+    if num_ctas > 1:
+        options["num_ctas"] = num_ctas
     ck = triton.compile(src, target=target, options=options)
     res = {"arch": arch, "shared": int(ck.metadata.shared), "num_warps": num_warps, "num_stages": num_stages}
     ptx = ck.asm["ptx"]
@@ -142,9 +149,11 @@ def sass_loops(sass: str) -> list[dict]:
     loops of the decode kernel), in program order. A loop is a branch back to an earlier label;
     one that encloses another loop is left out (a warp-specialized kernel's mbarrier spin-waits
     are placed out of line and branch back over whole partitions). Each comes with its
-    instruction count per iteration (per warp), its tensor-core instructions, and its spill
-    traffic: ``LDL`` and ``STL``, loads and stores of local memory, which is where ptxas puts
-    the registers it could not keep."""
+    instruction count per iteration (per warp), its tensor-core instructions, its spill
+    traffic (``LDL`` and ``STL``, loads and stores of local memory, which is where ptxas puts
+    the registers it could not keep), its CTA barriers (``BAR``), and a cluster kernel's
+    exchange: cluster barriers (``UCGABAR_WAIT``) and stores into a cluster's shared memory
+    (``STAS``, st.async)."""
     labels, ins = {}, []
     for line in sass.splitlines():
         m = re.match(r"^(\.L_x_\d+):", line)
@@ -167,7 +176,9 @@ def sass_loops(sass: str) -> list[dict]:
         tensor = sum(body.count(t) for t in TENSOR_OPS)
         if tensor:
             loops.append({"instructions": len(body), "tensor_core": tensor,
-                          "spill_loads": body.count("LDL"), "spill_stores": body.count("STL")})
+                          "spill_loads": body.count("LDL"), "spill_stores": body.count("STL"),
+                          "cta_barriers": body.count("BAR"), "cluster_barriers": body.count("UCGABAR_WAIT"),
+                          "cluster_stores": body.count("STAS")})
     return loops
 
 
@@ -194,7 +205,7 @@ def _worker():
         try:
             r = _compile_in_process(v["kernel"], v["arch"], v["constexprs"], v["num_warps"], v["num_stages"],
                                     tuple(v.get("asm", ())), v.get("types"), v.get("maxnreg", 0),
-                                    v.get("loops", False))
+                                    v.get("loops", False), v.get("num_ctas", 1))
             r["fits"] = r["shared"] <= SMEM_LIMIT[v["arch"]] and r["usable"]
         except Exception as e:  # noqa: BLE001
             r = {"arch": v["arch"], "error": f"{type(e).__name__}: {str(e)[:500]}"}
@@ -245,6 +256,17 @@ def portable_variant(arch: int, cfg, has_extra=True, lengths=True, align=16, asm
             "maxnreg": 0, "loops": loops, "asm": list(asm), "constexprs": {**_flags(has_extra, lengths), **kw}}
 
 
+def cluster_variant(has_extra=True, lengths=True, align=16, asm: tuple = (), loops=False) -> dict:
+    """The Gluon sm_90 kernel's 128-head cluster form (:mod:`mla.kernels.gluon_sm90.cluster`; sink
+    and lengths on), with the launch's warps, stages and CTAs a cluster."""
+    from .kernels.gluon_sm90 import cluster
+
+    kw = cluster.launch_params(128, 1, align=align)[1]
+    return {"kernel": "gluon_cluster_kernel", "arch": 90, "num_warps": kw.pop("num_warps"),
+            "num_ctas": kw.pop("num_ctas"), "num_stages": 1, "maxnreg": 0, "loops": loops, "asm": list(asm),
+            "constexprs": {**_flags(has_extra, lengths), **kw}}
+
+
 def config_variant(arch: int, cfg, asm: tuple = (), loops: bool = False, has_extra: bool = True,
                    v32: bool = False) -> dict:
     """The decode kernel's variant for ``arch`` under a :class:`~mla.configs.TlDotConfig` or a
@@ -254,6 +276,10 @@ def config_variant(arch: int, cfg, asm: tuple = (), loops: bool = False, has_ext
             raise ValueError(f"v32: the Gluon kernel reads V3.2's cache in the forms {list(dispatch.GLUON_LAYOUTS[V32])} "
                              f"only (mla.dispatch.GLUON_LAYOUTS), not {cfg.form!r}")
         return gluon_variant(cfg.form, has_extra=has_extra, asm=asm, loops=loops, v32=v32)
+    if cfg.kernel == "gluon_cluster":
+        if v32 or arch != 90:
+            raise ValueError("the cluster form is sm_90 code for the MODEL1 cache only")
+        return cluster_variant(has_extra=has_extra, asm=asm, loops=loops)
     if cfg.kernel == "gluon_portable":
         if v32:
             raise ValueError("v32: the portable Gluon kernel reads the MODEL1 cache only (mla.dispatch.PORTABLE_LAYOUTS)")

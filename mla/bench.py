@@ -195,10 +195,12 @@ class Case:
         first call. ``tl_dot_sm80`` and ``tl_dot_sm89`` run the portable kernel as an A100 and an L40
         compile it, with their generic tables (:mod:`mla.kernels.cross_arch`); ``gluon_portable``
         (and ``_sm80``, ``_sm89``) the portable Gluon kernel, in the form that fits each one's shared
-        memory."""
-        if impl in ("mma", "tl_dot") or impl in PORTABLE_ISAS or impl in GLUON_PORTABLE:
+        memory; ``mma_cluster`` the Gluon kernel's 2-CTA cluster form (128 heads a cluster)."""
+        if impl in PLANNED:
             s = self.shape
-            if impl == "tl_dot":
+            if impl == MMA_CLUSTER:
+                plan_options["config"] = configs.ClusterConfig()
+            elif impl == "tl_dot":
                 plan_options["config"] = dispatch.tl_dot_launch_config(self.q.device, s.b, s.s_q, s.h_q, s.topk_total)
             elif impl in PORTABLE_ISAS:
                 plan_options["isa"] = PORTABLE_ISAS[impl]
@@ -414,7 +416,11 @@ PORTABLE_ISAS = {"tl_dot_sm80": 80, "tl_dot_sm89": 89}
 #: the portable Gluon kernel (:mod:`mla.kernels.gluon_portable`): this GPU's code (0), or another
 #: architecture's
 GLUON_PORTABLE = {"gluon_portable": 0, "gluon_portable_sm80": 80, "gluon_portable_sm89": 89}
-IMPL_NAMES = ("mma", "tl_dot", *PORTABLE_ISAS, *GLUON_PORTABLE, "simt", "reference", "flashmla")
+#: the Gluon kernel's 128-head form as a 2-CTA cluster (:mod:`mla.kernels.gluon_sm90.cluster`), forced
+MMA_CLUSTER = "mma_cluster"
+#: the impls timed as mla's tensor-core path is (a plan made once, 20 graph replays)
+PLANNED = ("mma", "tl_dot", *PORTABLE_ISAS, *GLUON_PORTABLE, MMA_CLUSTER)
+IMPL_NAMES = (*PLANNED, "simt", "reference", "flashmla")
 #: what each impl stands for in the records: FlashMLA needs 64 or 128 heads, so at V4-TP8 (8
 #: heads) a server pads to 64 and pays the V4-CSA time, which stands for FlashMLA there
 FLASHMLA_HEADS = (64, 128)
@@ -487,7 +493,7 @@ def run(shapes=None, impls=None, out_dir="results", name="bench", pool_bytes=2e9
         runs = {i: [] for i in here}
         for _ in range(max(1, repeat)):          # the impls alternate, round after round
             for i in here:
-                runs[i].append(time_graph(case, calls[i], replays=20 if i in ("mma", "tl_dot", *PORTABLE_ISAS, *GLUON_PORTABLE, "flashmla") else 5))
+                runs[i].append(time_graph(case, calls[i], replays=20 if i in (*PLANNED, "flashmla") else 5))
         loops = {}
         if eager:                 # mma (with its plan and without) and FlashMLA: their loops take turns
             looped = {i: calls[i] for i in here if i in ("mma", "flashmla")}
@@ -1274,7 +1280,7 @@ def main(argv=None) -> int:
         except RuntimeError as e:
             print(e, file=sys.stderr)
             return 2
-        for impl in ("mma", "tl_dot", *PORTABLE_ISAS, *GLUON_PORTABLE):
+        for impl in PLANNED:
             for h, (n, gm, worst) in sweep_summary(doc, impl).items():
                 print(f"{impl} h_q {h}: {n} points, geometric mean {gm:.2f}x FlashMLA, worst {worst:.2f}x")
         print(f"wrote {doc['path']} ({doc['remaining']} points remaining)")

@@ -29,7 +29,7 @@ import triton
 from triton.compiler import CompiledKernel
 
 from . import _runtime, configs, schedule
-from .configs import GLUON_FORMS, GluonConfig, PortableConfig, PrefillConfig, TlDotConfig
+from .configs import GLUON_FORMS, ClusterConfig, GluonConfig, PortableConfig, PrefillConfig, TlDotConfig
 from .kernels import combine, cross_arch, prefill, tl_dot
 from .kernels.common import LOG2E, fp8_native
 from .kernels.simt import simt_sparse_decode
@@ -47,6 +47,11 @@ try:                       # Gluon's Hopper module and the portable Gluon kernel
     from .kernels import gluon_portable, gluon_sm90
 except (ImportError, AttributeError):
     gluon_portable = gluon_sm90 = None
+
+try:                       # the Gluon kernel's 2-CTA cluster form: CGA layouts and cross-CTA stores
+    from .kernels.gluon_sm90 import cluster as gluon_cluster
+except (ImportError, AttributeError, TypeError):
+    gluon_cluster = None
 
 #: the SM count assumed under the interpreter (it sizes the split count only)
 INTERPRETER_SMS = 4
@@ -126,7 +131,7 @@ def programs_for(cfg, n_q: int, h_q: int, topk: int, extra_topk: int, sms: int, 
     uniform splits of each query (:func:`num_splits`) and 0."""
     if cfg.kernel == "gluon" and cfg.two_consumers:
         return num_splits(n_q, 1, h_q, topk + extra_topk, cfg.block_h, cfg.block_n, 1, sms), 0
-    heads = _cdiv(h_q, cfg.block_h) * getattr(cfg, "dv_halves", 1)
+    heads = _cdiv(h_q, cfg.block_h) * getattr(cfg, "dv_halves", 1) * getattr(cfg, "ctas", 1)   # SMs a query
     slots = max(1, sms // heads)
     if cfg.kernel == "gluon":
         block_n, unit = GLUON_RING_N, cfg.block_n // GLUON_RING_N
@@ -144,7 +149,7 @@ class Launch:
     (:func:`programs_for`: ``programs`` and ``share``), whether the combine runs, and, for the
     Gluon kernel, the width of its ring's copies (:func:`~mla.kernels.gluon_sm90.row_align`)."""
 
-    config: TlDotConfig | GluonConfig
+    config: TlDotConfig | GluonConfig | PortableConfig | ClusterConfig
     programs: int
     share: int = 0
     combine: bool = True
@@ -265,7 +270,7 @@ def plan_launch(device: torch.device, b: int, s_q: int, h_q: int, topk: int, ext
         if table is None:
             fail("isa", f"another architecture's code runs on a CUDA GPU only (not the interpreter); this device is "
                         f"{device}")
-        if config is not None and config.kernel == "gluon":
+        if config is not None and config.kernel in ("gluon", "gluon_cluster"):
             fail("isa", "only the portable kernels (tl.dot, Gluon portable) are compiled for another architecture")
         table, gluon, native = configs.generic(isa), False, isa >= 89
     if config is not None:
@@ -293,6 +298,19 @@ def plan_launch(device: torch.device, b: int, s_q: int, h_q: int, topk: int, ext
                 raise ValueError("config: the portable Gluon kernel copies cache rows 8 or 16 bytes at a time: it "
                                  "needs caches whose base addresses are multiples of 16 and page strides multiples "
                                  "of 8")
+        elif cfg.kernel == "gluon_cluster":
+            if layout is not MODEL1:
+                raise ValueError(f"config: the cluster form reads the MODEL1 cache only, not {layout.name}'s: force a "
+                                 "GluonConfig, or leave config to the launch rule")
+            if gluon_cluster is None or not gluon_cluster.SUPPORTED:
+                raise ValueError(f"config: the cluster form needs Triton 3.9 or newer (its Gluon's cross-CTA stores); "
+                                 f"this is Triton {triton.__version__}")
+            if _runtime.INTERPRET or device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+                raise ValueError(f"config: the cluster form is for Hopper GPUs (sm_90, not the interpreter); this "
+                                 f"device is {device}")
+            if not align:
+                raise ValueError("config: the cluster form copies cache rows 8 or 16 bytes at a time: it needs caches "
+                                 "whose base addresses are multiples of 16 and page strides multiples of 8")
     elif table is None:                        # the interpreter: one small config
         cfg = tl_dot_config(device, h_q)
     else:
@@ -302,8 +320,8 @@ def plan_launch(device: torch.device, b: int, s_q: int, h_q: int, topk: int, ext
         programs, share = programs_for(cfg, n_q, h_q, topk, extra_topk, sms, has_lengths)
     else:
         share = 0
-    launch = Launch(cfg, programs, share, True, align if cfg.kernel in ("gluon", "gluon_portable") else 0, native,
-                    isa)
+    launch = Launch(cfg, programs, share, True,
+                    align if cfg.kernel in ("gluon", "gluon_portable", "gluon_cluster") else 0, native, isa)
     return dataclasses.replace(launch, combine=needs_combine(launch, n_q, topk, extra_topk, has_lengths))
 
 
@@ -365,6 +383,9 @@ class Launcher:
             self._module, self._name = gluon_sm90.kernel, "gluon_decode_kernel"
             grid, kw = gluon_sm90.launch_params(b * s_q, h_q, launch.programs, heads=heads, tile_tokens=tile_tokens,
                                                 two_consumers=pair, align=launch.align, v32=v32)
+        elif cfg.kernel == "gluon_cluster":
+            self._module, self._name = gluon_cluster, "gluon_cluster_kernel"
+            grid, kw = gluon_cluster.launch_params(h_q, launch.programs, align=launch.align)
         elif cfg.kernel == "gluon_portable":
             self._module, self._name = (cross_arch, f"gluon_portable_sm{launch.isa}") if launch.isa else \
                 (gluon_portable, "gluon_portable_kernel")

@@ -16,7 +16,9 @@ the kernel per call); "mma-tl" and "mma-wgmma*" force one kernel on every case: 
 tl.dot kernel with its shipped configs, and on sm_90 the Gluon kernel's four forms
 (mla.configs.GLUON_FORMS); "mma-tl-sm80" and "mma-tl-sm89" the portable kernel as an A100 and an
 L40 compile it (their generic tables, mla.kernels.cross_arch), on the GPU in hand; "mma-gp*" the
-portable Gluon kernel (mla.kernels.gluon_portable), this GPU's code and those two's. The check is
+portable Gluon kernel (mla.kernels.gluon_portable), this GPU's code and those two's;
+"mma-wgmma-cluster" the Gluon kernel's 2-CTA cluster form (MODEL1, where Triton builds it: 3.9 and
+newer; 128 heads a cluster, so that fewer heads leave CTA 1's heads masked). The check is
 FlashMLA's whole check, the cosine difference included. DeepSeek-V3.2's cases
 (mla.validate.v32_cases, the set "v32") run every counted impl but the Gluon ones (the Hopper
 kernel's and the portable one's): they read the MODEL1 cache only, and "mma" runs the tl.dot
@@ -45,18 +47,20 @@ import triton  # noqa: E402
 
 import mla.validate as mv  # noqa: E402
 from mla import bench, dispatch  # noqa: E402
-from mla.configs import GluonConfig  # noqa: E402
+from mla.configs import ClusterConfig, GluonConfig  # noqa: E402
 from mla.layout import layout_for_head_dim  # noqa: E402
 
 # "reference": fp32
 COUNTED = ("reference", "simt", "mma", "mma-tl", "mma-tl-sm80", "mma-tl-sm89", "mma-gp", "mma-gp-sm80",
-           "mma-gp-sm89", "mma-wgmma", "mma-wgmma-t16", "mma-wgmma-t8", "mma-wgmma-duo")
+           "mma-gp-sm89", "mma-wgmma", "mma-wgmma-t16", "mma-wgmma-t8", "mma-wgmma-duo", "mma-wgmma-cluster")
 GLUON = {"mma-wgmma": "heads as M", "mma-wgmma-t16": "tokens as M, 16 x 64", "mma-wgmma-t8": "tokens as M, 8 x 128",
          "mma-wgmma-duo": "tokens as M, two consumers"}
 #: the portable kernel as an A100 and an L40 compile it, run on this (newer) GPU
 OTHER_ISAS = {"mma-tl-sm80": 80, "mma-tl-sm89": 89}
 #: the portable Gluon kernel: this GPU's code (0), or an A100's and an L40's
 GLUON_PORTABLE = {"mma-gp": 0, "mma-gp-sm80": 80, "mma-gp-sm89": 89}
+#: the Gluon kernel's 128-head form as a 2-CTA cluster (MODEL1; Triton 3.9 and newer)
+CLUSTER = "mma-wgmma-cluster"
 INFO_IMPLS = ("mma-bf16",)
 
 
@@ -108,7 +112,8 @@ def _impls(names):
     forced = {"mma-bf16": _bf16_operands, "mma-tl": functools.partial(_forced, _tl_config),
               **{n: functools.partial(_forced, _gluon(form)) for n, form in GLUON.items()},
               **{n: functools.partial(_other_isa, isa) for n, isa in OTHER_ISAS.items()},
-              **{n: functools.partial(_gluon_portable, isa) for n, isa in GLUON_PORTABLE.items()}}
+              **{n: functools.partial(_gluon_portable, isa) for n, isa in GLUON_PORTABLE.items()},
+              CLUSTER: functools.partial(_forced, lambda q, indices, kw: ClusterConfig())}
     return {n: forced.get(n) or functools.partial(mla.sparse_decode, impl=n) for n in names}
 
 
@@ -133,7 +138,7 @@ def impls_for(spec, names) -> tuple:
     layout = layout_for_head_dim(spec.d_qk)
     forms = dispatch.GLUON_LAYOUTS.get(layout, ())
     return tuple(n for n in names if (n not in GLUON or GLUON[n] in forms)
-                 and (n not in GLUON_PORTABLE or layout in dispatch.PORTABLE_LAYOUTS))
+                 and (n not in GLUON_PORTABLE and n != CLUSTER or layout in dispatch.PORTABLE_LAYOUTS))
 
 
 def _work(job):
@@ -234,7 +239,9 @@ def main(argv=None) -> int:
     w = max(1, a.workers)
     counted_impls = a.impls
     if not (on_gpu and torch.cuda.get_device_capability() == (9, 0)):     # the Gluon kernel is sm_90 only
-        counted_impls = tuple(n for n in counted_impls if n not in GLUON)
+        counted_impls = tuple(n for n in counted_impls if n not in GLUON and n != CLUSTER)
+    if dispatch.gluon_cluster is None or not dispatch.gluon_cluster.SUPPORTED:      # this Triton cannot build it
+        counted_impls = tuple(n for n in counted_impls if n != CLUSTER)
     if not on_gpu:                      # another architecture's code, and Gluon, run on a GPU only
         counted_impls = tuple(n for n in counted_impls if n not in OTHER_ISAS and n not in GLUON_PORTABLE)
     jobs = [(sp, counted_impls, deadline, not a.no_leak_check, i, a.device)

@@ -272,6 +272,10 @@ def test_sass_loops_finds_backward_branches_with_tensor_core_work():
         /*0010*/                   HGMMA.64x32x16.F32 R24, R0, gdesc[UR4], R24 ;
         /*0020*/                   LDL R2, [R1] ;
         /*0030*/                   STL [R1+0x4], R3 ;
+        /*0034*/                   STAS.128 [R5+URZ], R8 ;
+        /*0038*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*003c*/                   UCGABAR_ARV ;
+        /*003e*/                   UCGABAR_WAIT ;
         /*0040*/               @P0 BRA `(.L_x_1) ;
 .L_x_2:
         /*0050*/                   IADD3 R4, R4, 0x1, RZ ;
@@ -280,7 +284,8 @@ def test_sass_loops_finds_backward_branches_with_tensor_core_work():
 .L_x_3:
         /*0080*/                   EXIT ;
 """
-    assert aot.sass_loops(sass) == [{"instructions": 4, "tensor_core": 1, "spill_loads": 1, "spill_stores": 1}]
+    assert aot.sass_loops(sass) == [{"instructions": 8, "tensor_core": 1, "spill_loads": 1, "spill_stores": 1,
+                                     "cta_barriers": 1, "cluster_barriers": 1, "cluster_stores": 1}]
 
 
 def test_sass_loops_leaves_out_a_branch_back_over_a_whole_loop():
@@ -297,7 +302,8 @@ def test_sass_loops_leaves_out_a_branch_back_over_a_whole_loop():
         /*0040*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P2, [UR4], R3 ;
         /*0050*/              @!P2 BRA `(.L_x_1) ;
 """
-    assert aot.sass_loops(sass) == [{"instructions": 2, "tensor_core": 1, "spill_loads": 0, "spill_stores": 0}]
+    assert aot.sass_loops(sass) == [{"instructions": 2, "tensor_core": 1, "spill_loads": 0, "spill_stores": 0,
+                                     "cta_barriers": 0, "cluster_barriers": 0, "cluster_stores": 0}]
 
 
 @pytest.mark.slow
@@ -395,3 +401,26 @@ def test_the_portable_gluon_kernel_keeps_tiles_in_flight_on_every_architecture()
         assert len(loops) == 1 and loops[0]["tensor_core"] > 0, (arch, cfg, loops)
         assert "HGMMA" not in sass and f"DEPBAR.LE SB0, 0x{cfg.stages - 1}" in sass, (arch, cfg)
         assert loops[0]["spill_loads"] == loops[0]["spill_stores"] == 0, (arch, cfg, loops)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(dispatch.gluon_cluster is None or not dispatch.gluon_cluster.SUPPORTED,
+                    reason=f"the cluster form needs Triton 3.9's Gluon; this is {triton.__version__}")
+def test_the_cluster_form_compiles_for_sm90a_and_exchanges_each_tile_once():
+    """The Gluon kernel's 128-head 2-CTA cluster form (mla.kernels.gluon_sm90.cluster) fits sm_90's
+    shared memory, spills nothing in its token-tile loop, and exchanges each tile as designed: per
+    tile and thread 16 st.async of 16 bytes (its half tile, 32 tokens x 512 fp16 over 256
+    threads, into both CTAs: 2 x 32 KB / 256 = 256 bytes), one cluster barrier, no loads from the
+    peer's shared memory; a transaction barrier of 64 KB a CTA; S and P.V as in the 64-head form
+    (32 + 4 wgmma a warp)."""
+    r = aot.report([aot.cluster_variant(asm=("ptx",), loops=True)])[0]
+    assert "error" not in r, r
+    assert r["fits"] and r["shared"] <= aot.SMEM_LIMIT[90], r
+    (loop,) = r["loops"]
+    assert loop["spill_loads"] == loop["spill_stores"] == 0, loop
+    assert loop["tensor_core"] == 32 + 4, loop
+    assert loop["cluster_stores"] == 2 * 32 * 512 * 2 // 256 // 16 and loop["cluster_barriers"] == 1, loop
+    ptx = r["ptx"]
+    assert "ld.shared::cluster" not in ptx
+    assert re.findall(r"expect_tx\.shared::cta\.b64\s+_,\s*\[[^]]+\],\s*(\d+)", ptx) == [str(64 * 512 * 2)]

@@ -134,3 +134,24 @@ def test_a_forced_gluon_config_is_refused_for_v32_by_name():
     with pytest.raises(ValueError, match="^config: the portable Gluon kernel reads the MODEL1 cache only"):
         dispatch.plan_launch(torch.device("cpu"), 1, 1, 64, 2048, 0, 16, config=configs.PortableConfig(),
                              layout=V32)
+
+
+def test_a_forced_cluster_form_is_refused_where_it_cannot_run_by_name():
+    """The 2-CTA cluster form reads MODEL1's cache only, on sm_90 with a Triton that builds it."""
+    from mla.layout import V32
+
+    with pytest.raises(ValueError, match="^config: the cluster form reads the MODEL1 cache only, not V3.2's"):
+        dispatch.plan_launch(torch.device("cpu"), 1, 1, 128, 2048, 0, 16, config=configs.ClusterConfig(), layout=V32)
+    built = dispatch.gluon_cluster is not None and dispatch.gluon_cluster.SUPPORTED
+    with pytest.raises(ValueError, match="^config: the cluster form is for Hopper GPUs" if built
+                       else "^config: the cluster form needs Triton 3.9"):
+        dispatch.plan_launch(torch.device("cpu"), 1, 1, 128, 2048, 0, 16, config=configs.ClusterConfig())
+
+
+def test_a_cluster_takes_two_sms_in_the_schedule():
+    """A 128-head cluster occupies 2 SMs: on 132 SMs it gets 66 persistent programs, the SMs that
+    the two-program form's two 64-head blocks of 66 programs take."""
+    cluster = dispatch.programs_for(configs.ClusterConfig(), 4096, 128, 2048, 0, 132, True)
+    pair = dispatch.programs_for(configs.GluonConfig(), 4096, 128, 2048, 0, 132, True)
+    assert cluster == (66, 0) and pair == (66, 0)
+    assert dispatch.programs_for(configs.ClusterConfig(), 4096, 128, 2048, 0, 133, True) == (66, 0)

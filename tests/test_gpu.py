@@ -9,7 +9,7 @@ import torch
 import mla
 import mla.flash_mla as mla_flash_mla
 from mla.bench import spec_shapes
-from mla.configs import GLUON_FORMS, GluonConfig
+from mla.configs import GLUON_FORMS, ClusterConfig, GluonConfig
 from mla.validate import make_case, run_case
 
 from test_callsites import (Recorder, check_calls, sglang_metadata, sglang_step, sglang_step_inputs, vllm_metadata,
@@ -102,6 +102,33 @@ def test_gluon_kernel_on_gpu(name, programs, variant):
 
     def fn(**kw):
         return mla.sparse_decode(**kw, plan=mla.plan(**kw, config=GluonConfig(variant), programs=programs))
+    out_ok, lse_ok = run_case(fn, case)
+    assert out_ok.ok, str(out_ok)
+    assert lse_ok.ok, str(lse_ok)
+
+
+#: the cluster form's own shapes beside SHAPES' MODEL1 ones: 128 heads with s_q 2, both caches and lengths
+CLUSTER_SHAPES = {**{n: SHAPES[n] for n in MODEL1_SHAPES},
+                  "h128 s_q2 lengths extra": dict(b=3, s_q=2, h_q=128, topk=2048, page=64, extra_topk=128,
+                                                  extra_page=2, lengths=True)}
+
+
+@pytest.mark.parametrize("programs", [None, 1, 7])
+@pytest.mark.parametrize("name", list(CLUSTER_SHAPES))
+def test_the_cluster_form_matches_the_reference(name, programs):
+    """The Gluon kernel's 2-CTA cluster form (mla.kernels.gluon_sm90.cluster) forced on every MODEL1
+    shape (fewer than 128 heads leave heads of CTA 1, or all of them, masked), on the rule's
+    schedule and on 1 and 7 persistent clusters (7: shares that end mid-query)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is for sm_90")
+    if mla.dispatch.gluon_cluster is None or not mla.dispatch.gluon_cluster.SUPPORTED:
+        pytest.skip("this Triton does not build the cluster form (3.9 does: TRITON_PACK, scripts/device_final.sh)")
+    case = make_case(**CLUSTER_SHAPES[name], device="cuda", seed=len(name))
+
+    def fn(**kw):
+        plan = mla.plan(**kw, config=ClusterConfig(), programs=programs)
+        assert plan.launch.config.kernel == "gluon_cluster"
+        return mla.sparse_decode(**kw, plan=plan)
     out_ok, lse_ok = run_case(fn, case)
     assert out_ok.ok, str(out_ok)
     assert lse_ok.ok, str(lse_ok)

@@ -119,6 +119,37 @@ class GluonConfig:
         return self
 
 
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    """The Gluon sm_90 kernel's 128-head form as a cluster of 2 CTAs
+    (:mod:`mla.kernels.gluon_sm90.cluster`): each CTA decodes half of every token tile for both.
+    Its launch follows from the form; it needs a Triton whose Gluon has cross-CTA stores (3.9)."""
+
+    @property
+    def kernel(self) -> str:
+        return "gluon_cluster"
+
+    @property
+    def block_h(self) -> int:
+        return 128
+
+    @property
+    def block_n(self) -> int:
+        return 64
+
+    @property
+    def ctas(self) -> int:
+        """CTAs a program (SMs it occupies)."""
+        return 2
+
+    @property
+    def label(self) -> str:
+        return "Gluon, heads as M, 2-CTA cluster"
+
+    def for_heads(self, h_q: int) -> "ClusterConfig":
+        return self
+
+
 #: Largest shared memory a block may use, bytes (the opt-in maximum), per architecture.
 SMEM_LIMIT = {80: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
 

@@ -21,7 +21,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from .common import (DIM, LN2, NOPE_TILES, finish_softmax, piece, query_rows, share_bounds, sink_factor,
                      softmax_step, to_bf16, ue8m0_to_f32, write_share_record)
 from .gluon_sm90.compat import cta_barrier
-from .gluon_sm90.ring import _copy_tile, tile_rows
+from .gluon_sm90.ring import issue_group, ring_rows, tile_rows
 
 NUM_WARPS = gl.constexpr(8)
 #: the arguments the kernel is not specialized on: one variant for every schedule
@@ -76,25 +76,6 @@ def _decode(k_smem, nope_st, rope_st, sc_st, FP8_NATIVE: gl.constexpr, RING_L: g
     g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, RING_L)))
     v = gl.where((g < NOPE_TILES)[None, :, None], v, rope.to(gl.float16))
     k_smem.store(gl.reshape(v, [nb.shape[0], DIM]))
-
-
-@gluon.jit
-def _ring_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
-               idx_extra, n2, BLOCK_N: gl.constexpr, HAS_EXTRA: gl.constexpr, ALIGN: gl.constexpr,
-               RING_L: gl.constexpr):
-    """(cache, valid, row, scale row) of token tile ``ti`` (all invalid at or past ``hi``), one
-    token a thread in the copying threads' layout ``RING_L``."""
-    return tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
-                     idx_extra, n2, BLOCK_N, HAS_EXTRA, gl.SliceLayout(1, gl.SliceLayout(2, RING_L)), ALIGN)
-
-
-@gluon.jit
-def _issue(stage, rows, RING_L: gl.constexpr):
-    """The copies of one token tile (its :func:`_ring_rows`) into one ring stage, as one cp.async
-    group."""
-    cache, valid, row, srow = rows
-    _copy_tile(stage, cache, valid, row, srow, RING_L)
-    async_copy.commit_group()
 
 
 @gluon.jit
@@ -167,12 +148,12 @@ def gluon_portable_kernel(
         idx_extra = eidx_ptr + e_off
         # the first STAGES - 1 tiles' copies fly while Q comes in
         for u in gl.static_range(STAGES - 1):
-            _issue((nope_r.index(u), rope_r.index(u), sc_r.index(u)),
-                   _ring_rows(lo + u, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
-                              ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN, RING_L), RING_L)
+            issue_group((nope_r.index(u), rope_r.index(u), sc_r.index(u)),
+                        ring_rows(lo + u, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
+                                  ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN, RING_L), RING_L)
         # the rows of the tile the loop's first iteration copies: each iteration loads the next one's
-        nxt = _ring_rows(lo + STAGES - 1, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
-                         ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN, RING_L)
+        nxt = ring_rows(lo + STAGES - 1, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
+                        ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN, RING_L)
         qh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ROWS_L))
         qc = gl.arange(0, DIM, layout=gl.SliceLayout(0, ROWS_L))
         qv = gl.load(q_ptr + q_off + (qh.to(gl.int64) * q_sh)[:, None] + qc[None, :], mask=(qh < h_q)[:, None],
@@ -188,10 +169,10 @@ def gluon_portable_kernel(
             st = (ti - lo) % STAGES
             ahead = (ti - lo + STAGES - 1) % STAGES
             # the tile STAGES - 1 ahead goes into the stage the last tile was decoded from
-            _issue((nope_r.index(ahead), rope_r.index(ahead), sc_r.index(ahead)), nxt, RING_L)
+            issue_group((nope_r.index(ahead), rope_r.index(ahead), sc_r.index(ahead)), nxt, RING_L)
             # the next iteration's copies need only this load, which flies while this tile is computed
-            nxt = _ring_rows(ti + STAGES, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
-                             ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN, RING_L)
+            nxt = ring_rows(ti + STAGES, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
+                            ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN, RING_L)
             # this tile's score mask, in S's column layout (its load hides behind the wait)
             _cc, vs, _r, _s = tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
                                         ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, COL, ALIGN)

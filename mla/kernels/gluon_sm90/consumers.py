@@ -53,12 +53,12 @@ GL = gl.constexpr(gl.DistributedLinearLayout(
 
 
 @gluon.jit
-def _load_q(q_row, q_sh, h_q, hb, q_smem, HEADS: gl.constexpr):
+def load_q(q_row, q_sh, h_q, hb, q_smem, HEADS: gl.constexpr, RL: gl.constexpr = ROWS_L):
     """Q's heads ``hb*HEADS ..`` of one query row (``q_row``: its first head; heads ``q_sh``
     apart) into shared memory as fp16 (zeros past h_q), loaded as rows of 16-byte loads (a warp's
-    32 threads on 512 contiguous bytes)."""
-    qh = hb * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, ROWS_L))
-    qc = gl.arange(0, DIM, layout=gl.SliceLayout(0, ROWS_L))
+    32 threads on 512 contiguous bytes) in layout ``RL``."""
+    qh = hb * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, RL))
+    qc = gl.arange(0, DIM, layout=gl.SliceLayout(0, RL))
     qv = gl.load(q_row + (qh.to(gl.int64) * q_sh)[:, None] + qc[None, :], mask=(qh < h_q)[:, None], other=0.0)
     q_smem.store(qv.to(gl.float16))
 
@@ -177,7 +177,7 @@ def consumer_heads(hb, p, x0, x1, q0, c0, q_end, s_q, h_q, q_ptr, q_sb, q_ss, q_
         # Q -> shared memory (fp16, heads past h_q as zeros) while the producer's copies fly; every
         # S of the last piece is done (both warpgroups passed its last barrier before P.V), and the
         # barrier at the top of this piece's first tile orders the store before its first wgmma.
-        _load_q(q_ptr + q_off, q_sh, h_q, hb, q_smem, HEADS)
+        load_q(q_ptr + q_off, q_sh, h_q, hb, q_smem, HEADS)
         if V32:
             _load_q_rope(q_ptr + q_off, q_sh, h_q, hb, qr_smem, HEADS)
         m_i = gl.full([HEADS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
@@ -273,7 +273,7 @@ def consumer_tokens(hb, p, x0, x1, q0, c0, q_end, s_q, h_q, q_ptr, q_sb, q_ss, q
         q_off, i_off, e_off = query_rows(q, s_q, q_sb, q_ss, idx_sb, idx_ss, eidx_sb, eidx_ss)
         idx_main = idx_ptr + i_off
         idx_extra = eidx_ptr + e_off
-        _load_q(q_ptr + q_off, q_sh, h_q, hb, q_smem, HEADS)
+        load_q(q_ptr + q_off, q_sh, h_q, hb, q_smem, HEADS)
         m_i = gl.full([HEADS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ST_L))
         l_i = gl.zeros([HEADS], gl.float32, layout=gl.SliceLayout(0, ST_L))
         ot = gl.zeros([DIM, HEADS], gl.float32, layout=OT_L)

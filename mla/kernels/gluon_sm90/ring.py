@@ -76,6 +76,26 @@ def _copy_tile(stage, cache, valid, row, srow, L3: gl.constexpr, V32: gl.constex
 
 
 @gluon.jit
+def ring_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
+              idx_extra, n2, BLOCK_N: gl.constexpr, HAS_EXTRA: gl.constexpr, ALIGN: gl.constexpr,
+              RING_L: gl.constexpr):
+    """(cache, valid, row, scale row) of token tile ``ti`` (all invalid at or past ``hi``), one
+    token a thread in the copying threads' layout ``RING_L``: the rows a one-partition kernel's
+    threads copy (:func:`issue_group`)."""
+    return tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
+                     idx_extra, n2, BLOCK_N, HAS_EXTRA, gl.SliceLayout(1, gl.SliceLayout(2, RING_L)), ALIGN)
+
+
+@gluon.jit
+def issue_group(stage, rows, RING_L: gl.constexpr):
+    """The copies of one token tile (its :func:`ring_rows`) into one ring stage, as one cp.async
+    group."""
+    cache, valid, row, srow = rows
+    _copy_tile(stage, cache, valid, row, srow, RING_L)
+    async_copy.commit_group()
+
+
+@gluon.jit
 def _produce(j, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
              idx_extra, n2, nope_r, rope_r, sc_r, ready, empty, HAS_EXTRA: gl.constexpr, ALIGN: gl.constexpr,
              STAGES: gl.constexpr, RING_TILES: gl.constexpr, LP: gl.constexpr, V32: gl.constexpr = False):
