@@ -9,7 +9,7 @@
 # PART: flashmla (build FLASHMLA_SRC, default .flashmla, a FlashMLA checkout with the nvidia-cutlass
 # wheel in it, into /tmp/fm, with FLASHMLA_BUILD, default scripts/build_flashmla.sh, and time it
 # beside mla in the later parts; once built it is reused while the machine stays warm), tests, gpu (the GPU tests
-# alone; GPU_TESTS_K a -k filter), validation (VALIDATION_IMPLS: --impls), bench, sweep (SWEEP_ARGS:
+# alone; GPU_TESTS_K a -k filter, GPU_TESTS_PATHS the test files, default all: tests/test_gpu.py needs no .whl), validation (VALIDATION_IMPLS: --impls), bench, sweep (SWEEP_ARGS:
 # more of its arguments, e.g. --impl and --h-q), sweep_v32 (DeepSeek-V3.2's cache), timeline (the
 # Gluon kernel's stamped chain), prefill (the sparse prefill beside FlashMLA's), suites (FlashMLA's
 # own prefill and decode test files against mla, SUITES to choose, SUITE_ARGS_<suite> more of the
@@ -55,7 +55,7 @@ fi
       tests) nbsetup      # the chapter tests import nbformat
         step "${TESTS_S:-300}" python3 -m pytest -q -m "not slow" -p no:cacheprovider -rfE ;;
       gpu) nbsetup
-        step "${GPU_TESTS_S:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} ;;
+        step "${GPU_TESTS_S:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} ${GPU_TESTS_PATHS:-} ;;
       validation) step "${VALIDATION_S:-240}" python3 scripts/gpu_validation.py --out "$OUT/val" \
         --budget-s "${VALIDATION_BUDGET_S:-150}" ${VALIDATION_IMPLS:+--impls "$VALIDATION_IMPLS"} ;;
       bench) step "${BENCH_S:-330}" python3 -m mla.bench --repeat 3 --out "$OUT/res" --no-progress ;;
