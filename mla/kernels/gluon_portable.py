@@ -21,7 +21,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from .common import (DIM, LN2, NOPE_TILES, finish_softmax, piece, query_rows, share_bounds, sink_factor,
                      softmax_step, to_bf16, ue8m0_to_f32, write_share_record)
 from .gluon_sm90.compat import cta_barrier
-from .gluon_sm90.ring import issue_group, ring_rows, tile_rows
+from .gluon_sm90.ring import ring_start, ring_step, tile_rows
 
 NUM_WARPS = gl.constexpr(8)
 #: the arguments the kernel is not specialized on: one variant for every schedule
@@ -147,13 +147,9 @@ def gluon_portable_kernel(
         idx_main = idx_ptr + i_off
         idx_extra = eidx_ptr + e_off
         # the first STAGES - 1 tiles' copies fly while Q comes in
-        for u in gl.static_range(STAGES - 1):
-            issue_group((nope_r.index(u), rope_r.index(u), sc_r.index(u)),
-                        ring_rows(lo + u, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
-                                  ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN, RING_L), RING_L)
-        # the rows of the tile the loop's first iteration copies: each iteration loads the next one's
-        nxt = ring_rows(lo + STAGES - 1, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
-                        ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN, RING_L)
+        ring = (nope_r, rope_r, sc_r)
+        src = (tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2)
+        nxt = ring_start(ring, lo, hi, src, BLOCK_N, HAS_EXTRA, ALIGN, RING_L, STAGES)
         qh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ROWS_L))
         qc = gl.arange(0, DIM, layout=gl.SliceLayout(0, ROWS_L))
         qv = gl.load(q_ptr + q_off + (qh.to(gl.int64) * q_sh)[:, None] + qc[None, :], mask=(qh < h_q)[:, None],
@@ -167,12 +163,8 @@ def gluon_portable_kernel(
         o3 = gl.zeros([BLOCK_H, O_CHUNK], gl.float32, layout=MMA)
         for ti in range(lo, hi):
             st = (ti - lo) % STAGES
-            ahead = (ti - lo + STAGES - 1) % STAGES
-            # the tile STAGES - 1 ahead goes into the stage the last tile was decoded from
-            issue_group((nope_r.index(ahead), rope_r.index(ahead), sc_r.index(ahead)), nxt, RING_L)
-            # the next iteration's copies need only this load, which flies while this tile is computed
-            nxt = ring_rows(ti + STAGES, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
-                            ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN, RING_L)
+            # the tile STAGES - 1 ahead in flight, and the rows of the one after it loading
+            nxt = ring_step(ring, ti, lo, hi, nxt, src, BLOCK_N, HAS_EXTRA, ALIGN, RING_L, STAGES)
             # this tile's score mask, in S's column layout (its load hides behind the wait)
             _cc, vs, _r, _s = tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
                                         ec_stride, ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, COL, ALIGN)

@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import cluster, fence_asyn
 from ..common import DIM, NOPE_TILES, piece, query_rows, share_bounds, softmax_step, ue8m0_to_f32, write_share_record
 from .compat import cta_barrier, reinterpret
 from .consumers import load_q, store_piece
-from .ring import RING_N, issue_group, ring_rows, tile_rows
+from .ring import RING_N, ring_start, ring_step, tile_rows
 
 #: whether this Triton compiles the cluster form (its Gluon has cross-CTA stores)
 SUPPORTED = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 9)
@@ -133,12 +133,9 @@ def gluon_cluster_kernel(
         q_off, i_off, e_off = query_rows(q, s_q, q_sb, q_ss, idx_sb, idx_ss, eidx_sb, eidx_ss)
         idx_main = idx_ptr + i_off
         idx_extra = eidx_ptr + e_off
-        for u in gl.static_range(STAGES - 1):      # this CTA's half of the piece's first tiles
-            issue_group((nope_r.index(u), rope_r.index(u), sc_r.index(u)),
-                        ring_rows(lo + u, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
-                                  ec_P, ec_n, idx_extra, n2, RING_N, HAS_EXTRA, ALIGN, RING_L), RING_L)
-        nxt = ring_rows(lo + STAGES - 1, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
-                        ec_P, ec_n, idx_extra, n2, RING_N, HAS_EXTRA, ALIGN, RING_L)
+        ring = (nope_r, rope_r, sc_r)
+        src = (tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2)
+        nxt = ring_start(ring, lo, hi, src, RING_N, HAS_EXTRA, ALIGN, RING_L, STAGES)
         # Q in while the copies fly; the last piece's S (its wgmma waited on) was Q's last reader
         load_q(q_ptr + q_off, q_sh, h_q, hb, q_smem, HEADS, ROWS_L)
         fence_async_shared()           # for the wgmma, after the barrier that follows the first tile's wait
@@ -147,10 +144,8 @@ def gluon_cluster_kernel(
         o = gl.zeros([HEADS, DIM], gl.float32, layout=O_L)
         for ti in range(lo, hi):
             st = (ti - lo) % STAGES
-            ahead = (ti - lo + STAGES - 1) % STAGES
-            issue_group((nope_r.index(ahead), rope_r.index(ahead), sc_r.index(ahead)), nxt, RING_L)
-            nxt = ring_rows(ti + STAGES, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
-                            ec_P, ec_n, idx_extra, n2, RING_N, HAS_EXTRA, ALIGN, RING_L)
+            # the tile STAGES - 1 ahead in flight, and the rows of the one after it loading
+            nxt = ring_step(ring, ti, lo, hi, nxt, src, RING_N, HAS_EXTRA, ALIGN, RING_L, STAGES)
             # this tile's score mask for all 64 tokens, in S's column layout (the same in both CTAs)
             _c, vs, _r, _s = tile_rows(ti, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr,
                                        ec_stride, ec_P, ec_n, idx_extra, n2, RING_N, HAS_EXTRA, SCOL_L, ALIGN)

@@ -96,6 +96,38 @@ def issue_group(stage, rows, RING_L: gl.constexpr):
 
 
 @gluon.jit
+def ring_start(ring, lo, hi, src, BLOCK_N: gl.constexpr, HAS_EXTRA: gl.constexpr, ALIGN: gl.constexpr,
+               RING_L: gl.constexpr, STAGES: gl.constexpr):
+    """A one-partition kernel's ring at the start of a piece: the copies of its first
+    ``STAGES - 1`` token tiles into the first stages of ``ring`` (nope, rope, scales), a cp.async
+    group each, and the rows of the next tile, which the loop's first step issues
+    (:func:`ring_step`). ``src``: where the rows come from, the arguments of :func:`ring_rows`
+    after ``hi``, ``BLOCK_N`` excluded."""
+    nope_r, rope_r, sc_r = ring
+    tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2 = src
+    for u in gl.static_range(STAGES - 1):
+        issue_group((nope_r.index(u), rope_r.index(u), sc_r.index(u)),
+                    ring_rows(lo + u, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
+                              ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN, RING_L), RING_L)
+    return ring_rows(lo + STAGES - 1, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
+                     ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN, RING_L)
+
+
+@gluon.jit
+def ring_step(ring, ti, lo, hi, nxt, src, BLOCK_N: gl.constexpr, HAS_EXTRA: gl.constexpr, ALIGN: gl.constexpr,
+              RING_L: gl.constexpr, STAGES: gl.constexpr):
+    """Token tile ``ti``'s step of the ring (:func:`ring_start`): the copies of tile
+    ``ti + STAGES - 1`` (its rows ``nxt``) into the stage tile ``ti - 1`` was decoded from, and
+    the rows of tile ``ti + STAGES``, whose load flies while this tile is computed."""
+    nope_r, rope_r, sc_r = ring
+    tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n, idx_extra, n2 = src
+    ahead = (ti - lo + STAGES - 1) % STAGES
+    issue_group((nope_r.index(ahead), rope_r.index(ahead), sc_r.index(ahead)), nxt, RING_L)
+    return ring_rows(ti + STAGES, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride,
+                     ec_P, ec_n, idx_extra, n2, BLOCK_N, HAS_EXTRA, ALIGN, RING_L)
+
+
+@gluon.jit
 def _produce(j, lo, hi, tiles1, kc_ptr, kc_stride, kc_P, kc_n, idx_main, n1, ec_ptr, ec_stride, ec_P, ec_n,
              idx_extra, n2, nope_r, rope_r, sc_r, ready, empty, HAS_EXTRA: gl.constexpr, ALIGN: gl.constexpr,
              STAGES: gl.constexpr, RING_TILES: gl.constexpr, LP: gl.constexpr, V32: gl.constexpr = False):
