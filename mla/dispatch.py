@@ -494,10 +494,16 @@ def _direct_launch(compiled, grid3, order, consts, n_addresses):
     run = getattr(compiled, "_run", None)
     launch = getattr(run, "launch", None)
     if (launch is None or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)
+            or getattr(run, "gsan_enabled", False)
             or knobs is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)):
         return None
     names = {"launch": launch, "fn": compiled.function, "meta": compiled.packed_metadata,
              "coop": run.launch_cooperative_grid, "pdl": run.launch_pdl}
+    # Triton 3.9's C launcher takes the arguments' annotations and signature, then the arguments
+    # as one tuple; 3.3 to 3.8's take the arguments one by one
+    packed = hasattr(run, "kernel_signature")
+    if packed:
+        names.update(notes=run.arg_annotations, sig=run.kernel_signature)
     args = []
     for j in order:
         if j < n_addresses:
@@ -506,8 +512,12 @@ def _direct_launch(compiled, grid3, order, consts, n_addresses):
             names[f"c{j}"] = consts[j - n_addresses]
             args.append(f"c{j}")
     gx, gy, gz = (int(g) for g in grid3)
-    source = (f"def direct(stream, a):\n    launch({gx}, {gy}, {gz}, stream, fn, coop, pdl, None, None, meta, None, "
-              f"None, None, {', '.join(args)})\n")
+    head = f"launch({gx}, {gy}, {gz}, stream, fn, coop, pdl, "
+    if packed:
+        call = head + f"meta, None, None, None, None, None, notes, sig, ({', '.join(args)},))"
+    else:
+        call = head + f"None, None, meta, None, None, None, {', '.join(args)})"
+    source = f"def direct(stream, a):\n    {call}\n"
     exec(compile(source, f"<mla direct launch of {getattr(compiled, 'name', 'a kernel')}>", "exec"), names)
     return names["direct"]
 

@@ -41,6 +41,7 @@ if [ -n "${TRITON_PACK:-}" ]; then
   # only the backends in its tree (the image's Triton's metadata names an AMD backend the pack leaves out)
   export TRITON_BACKENDS_IN_TREE=1 PYTHONPATH="$site:$PYTHONPATH" TRITON_PTXAS_PATH=$(command -v ptxas || echo /usr/local/cuda/bin/ptxas)
   export TRITON_CUOBJDUMP_PATH=$(dirname "$TRITON_PTXAS_PATH")/cuobjdump TRITON_NVDISASM_PATH=$(dirname "$TRITON_PTXAS_PATH")/nvdisasm
+  export TRITON_PTXAS_BLACKWELL_PATH=$TRITON_PTXAS_PATH     # Triton 3.9 looks its ptxas up per architecture family
 fi
 {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader

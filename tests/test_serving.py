@@ -517,19 +517,37 @@ class _CLauncher:
         self.calls.append(args)
 
 
+class _CLauncher39(_CLauncher):
+    """The C launcher as Triton 3.9 keeps it: the arguments' annotations and signature, then the
+    arguments as one tuple."""
+
+    arg_annotations, kernel_signature, gsan_enabled = ("notes",), b"sig", False
+
+
 class _CompiledWithLauncher(_Compiled):
     function, packed_metadata = 0xF00, (8, 1, 4096)
 
-    def __init__(self):
+    def __init__(self, launcher=_CLauncher):
         super().__init__()
-        self._run = _CLauncher()
+        self._run = launcher()
 
 
-def test_a_bound_launch_calls_the_c_launcher_below_tritons_wrapper(monkeypatch):
+def _launched_args(call):
+    """The kernel arguments of a C launcher call (either shape) after its 13 or 15 leading values."""
+    if len(call) == 16 and isinstance(call[15], tuple):
+        assert call[7:15] == ((8, 1, 4096), None, None, None, None, None, ("notes",), b"sig")
+        return call[15]
+    assert call[7:13] == (None, None, (8, 1, 4096), None, None, None)
+    return call[13:]
+
+
+@pytest.mark.parametrize("launcher", [_CLauncher, _CLauncher39], ids=["triton 3.6", "triton 3.9"])
+def test_a_bound_launch_calls_the_c_launcher_below_tritons_wrapper(launcher, monkeypatch):
     """On a GPU the direct launch goes straight into the compiled kernel's C launcher: the grid,
     the current stream, the function handle, its launch flags and metadata, no scratch and no
-    hooks, then the arguments (on the CPU, with a stand-in launcher and stream)."""
-    compiled = _CompiledWithLauncher()
+    hooks, then the arguments, one by one (Triton 3.3 to 3.8) or as a tuple after their
+    annotations and signature (3.9) (on the CPU, with a stand-in launcher and stream)."""
+    compiled = _CompiledWithLauncher(launcher)
     kernel = _Kernel(compiled)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77 + device, raising=False)
     bound = dispatch.BoundLaunch((4, 2), {"A": 1}, [None, None, 12], (0, 1), device=torch.device("cuda", 3))
@@ -537,8 +555,12 @@ def test_a_bound_launch_calls_the_c_launcher_below_tritons_wrapper(monkeypatch):
     for _ in range(3):
         bound(kernel, (x, y))
     assert len(kernel.calls) == 1 and not compiled.launches
-    assert compiled._run.calls == [(4, 2, 1, 80, 0xF00, False, True, None, None, (8, 1, 4096), None, None, None,
-                                    x.data_ptr(), y.data_ptr(), 12, 1, 7, 3)] * 2
+    args = (x.data_ptr(), y.data_ptr(), 12, 1, 7, 3)
+    if launcher is _CLauncher:
+        want = (4, 2, 1, 80, 0xF00, False, True, None, None, (8, 1, 4096), None, None, None, *args)
+    else:
+        want = (4, 2, 1, 80, 0xF00, False, True, (8, 1, 4096), None, None, None, None, None, ("notes",), b"sig", args)
+    assert compiled._run.calls == [want] * 2
 
 
 class _Recording(_Kernel):
@@ -551,7 +573,7 @@ class _Recording(_Kernel):
 
 @pytest.mark.parametrize("kernel", ["tl_dot", "gluon"])
 @pytest.mark.parametrize("programs", [1, 3])
-@pytest.mark.parametrize("path", ["compiled kernel", "C launcher"])
+@pytest.mark.parametrize("path", ["compiled kernel", "C launcher", "C launcher 3.9"])
 def test_a_launchers_bound_launches_pass_every_parameter_of_the_real_kernels(kernel, programs, path, monkeypatch):
     """Through a Launcher, the direct launch passes the values Triton's path bound: each of the
     kernel's parameters in order, the constexprs by name (the decodes and the combine), through
@@ -567,12 +589,12 @@ def test_a_launchers_bound_launches_pass_every_parameter_of_the_real_kernels(ker
     stands = {}
     for mod, attr in ((module, name), (dispatch.combine, "combine_kernel")):
         stands[attr] = _Recording(getattr(mod, attr), _Compiled() if path == "compiled kernel"
-                                  else _CompiledWithLauncher())
+                                  else _CompiledWithLauncher(_CLauncher39 if path.endswith("3.9") else _CLauncher))
         monkeypatch.setattr(mod, attr, stands[attr])
     launch = dispatch.Launch(cfg, programs, share=0, combine=programs > 1, align=align)
     lr = dispatch.Launcher(launch, c["q"], c["k_cache"], c["indices"], c["attn_sink"], None, c["extra_k_cache"],
                            c["extra_indices"], None, None)
-    if path == "C launcher":                      # as on a GPU: the launches' device, its current stream
+    if path.startswith("C launcher"):             # as on a GPU: the launches' device, its current stream
         monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
         lr._decode._device = lr._combine._device = 0
     out, lse = torch.empty_like(c["q"]), torch.empty(2, 8, 1)
@@ -588,9 +610,9 @@ def test_a_launchers_bound_launches_pass_every_parameter_of_the_real_kernels(ker
         if path == "compiled kernel":
             (_, direct), = stand.returns.launches
         else:
-            (call,), header = stand.returns._run.calls, 13   # grid, stream, function, flags, metadata, hooks
+            (call,) = stand.returns._run.calls            # grid, stream, function, flags, metadata, hooks
             assert call[:4] == (*grid, *(1,) * (3 - len(grid)), 77) and not stand.returns.launches
-            direct = call[header:]
+            direct = _launched_args(call)
         params = list(inspect.signature(stand.fn).parameters.values())
         assert len(direct) == len(params)
         bound = dict(zip([p.name for p in params], direct))
