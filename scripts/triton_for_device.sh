@@ -9,7 +9,8 @@
 # 192 MB, and xz takes it to about 40 MB. Left out: the AMD backend, the profiler's library and
 # CUPTI, and the bundled ptxas, cuobjdump and nvdisasm: the device's CUDA toolkit has its own,
 # which device_final.sh names in TRITON_PTXAS_PATH and friends (and Triton then emits the
-# PTX version that ptxas reads). Needs pip, binutils' strip and xz.
+# PTX version that ptxas reads). FlashMLA travels beside it from scripts/flashmla_for_device.sh
+# (5 MB). Needs pip, binutils' strip and xz.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION=${1:-3.9.0}
