@@ -52,7 +52,12 @@ try:                       # the Gluon kernel's 2-CTA cluster form: CGA layouts 
     from .kernels.gluon_sm90 import cluster as gluon_cluster
 except (ImportError, AttributeError, TypeError):
     gluon_cluster = None
+if gluon_cluster is not None and not gluon_cluster.SUPPORTED:     # imports, but this Triton cannot build it
+    gluon_cluster = None
 
+#: the kernels that copy raw cache rows 8 or 16 bytes at a time (cp.async), as errors name them
+RING_KERNELS = {"gluon": "the Gluon kernel", "gluon_portable": "the portable Gluon kernel",
+                "gluon_cluster": "the cluster form"}
 #: the SM count assumed under the interpreter (it sizes the split count only)
 INTERPRETER_SMS = 4
 #: the cache layouts the Gluon kernel reads, with its forms for each: V3.2's 576-wide Q and K fit
@@ -254,6 +259,11 @@ def _units(cfg, topk: int, extra_topk: int) -> int:
     return schedule.query_units(topk, extra_topk, cfg.block_n)[1]
 
 
+def _on_hopper(device: torch.device) -> bool:
+    """Whether ``device`` is an sm_90 GPU, not the interpreter: where the Gluon sm_90 kernels run."""
+    return not _runtime.INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
 def plan_launch(device: torch.device, b: int, s_q: int, h_q: int, topk: int, extra_topk: int, align: int,
                 has_lengths: bool = False, config=None, programs: int | None = None, isa: int = 0,
                 layout: CacheLayout = MODEL1) -> Launch:
@@ -280,13 +290,9 @@ def plan_launch(device: torch.device, b: int, s_q: int, h_q: int, topk: int, ext
                 raise ValueError(f"config: the Gluon kernel reads {layout.name}'s cache in the forms "
                                  f"{list(GLUON_LAYOUTS.get(layout, ()))} only, not {cfg.form!r}: force one of "
                                  "those or a TlDotConfig, or leave config to the launch rule")
-            if gluon_sm90 is None or _runtime.INTERPRET or device.type != "cuda" \
-                    or torch.cuda.get_device_capability(device) != (9, 0):
+            if gluon_sm90 is None or not _on_hopper(device):
                 raise ValueError("config: the Gluon kernel is for Hopper GPUs (sm_90, not the interpreter); "
                                  f"this device is {device}")
-            if not align:
-                raise ValueError("config: the Gluon kernel copies cache rows 8 or 16 bytes at a time: it needs "
-                                 "caches whose base addresses are multiples of 16 and page strides multiples of 8")
         elif cfg.kernel == "gluon_portable":
             if layout not in PORTABLE_LAYOUTS:
                 raise ValueError(f"config: the portable Gluon kernel reads the MODEL1 cache only, not {layout.name}'s: "
@@ -294,23 +300,19 @@ def plan_launch(device: torch.device, b: int, s_q: int, h_q: int, topk: int, ext
             if gluon_portable is None or _runtime.INTERPRET or device.type != "cuda":
                 raise ValueError("config: the portable Gluon kernel runs on a CUDA GPU (not the interpreter); this "
                                  f"device is {device}")
-            if not align:
-                raise ValueError("config: the portable Gluon kernel copies cache rows 8 or 16 bytes at a time: it "
-                                 "needs caches whose base addresses are multiples of 16 and page strides multiples "
-                                 "of 8")
         elif cfg.kernel == "gluon_cluster":
             if layout is not MODEL1:
                 raise ValueError(f"config: the cluster form reads the MODEL1 cache only, not {layout.name}'s: force a "
                                  "GluonConfig, or leave config to the launch rule")
-            if gluon_cluster is None or not gluon_cluster.SUPPORTED:
+            if gluon_cluster is None:
                 raise ValueError(f"config: the cluster form needs Triton 3.9 or newer (its Gluon's cross-CTA stores); "
                                  f"this is Triton {triton.__version__}")
-            if _runtime.INTERPRET or device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+            if not _on_hopper(device):
                 raise ValueError(f"config: the cluster form is for Hopper GPUs (sm_90, not the interpreter); this "
                                  f"device is {device}")
-            if not align:
-                raise ValueError("config: the cluster form copies cache rows 8 or 16 bytes at a time: it needs caches "
-                                 "whose base addresses are multiples of 16 and page strides multiples of 8")
+        if cfg.kernel in RING_KERNELS and not align:
+            raise ValueError(f"config: {RING_KERNELS[cfg.kernel]} copies cache rows 8 or 16 bytes at a time: it "
+                             "needs caches whose base addresses are multiples of 16 and page strides multiples of 8")
     elif table is None:                        # the interpreter: one small config
         cfg = tl_dot_config(device, h_q)
     else:
@@ -320,8 +322,7 @@ def plan_launch(device: torch.device, b: int, s_q: int, h_q: int, topk: int, ext
         programs, share = programs_for(cfg, n_q, h_q, topk, extra_topk, sms, has_lengths)
     else:
         share = 0
-    launch = Launch(cfg, programs, share, True,
-                    align if cfg.kernel in ("gluon", "gluon_portable", "gluon_cluster") else 0, native, isa)
+    launch = Launch(cfg, programs, share, True, align if cfg.kernel in RING_KERNELS else 0, native, isa)
     return dataclasses.replace(launch, combine=needs_combine(launch, n_q, topk, extra_topk, has_lengths))
 
 

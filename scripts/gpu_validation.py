@@ -138,7 +138,7 @@ def impls_for(spec, names) -> tuple:
     layout = layout_for_head_dim(spec.d_qk)
     forms = dispatch.GLUON_LAYOUTS.get(layout, ())
     return tuple(n for n in names if (n not in GLUON or GLUON[n] in forms)
-                 and (n not in GLUON_PORTABLE and n != CLUSTER or layout in dispatch.PORTABLE_LAYOUTS))
+                 and ((n not in GLUON_PORTABLE and n != CLUSTER) or layout in dispatch.PORTABLE_LAYOUTS))
 
 
 def _work(job):
@@ -240,7 +240,7 @@ def main(argv=None) -> int:
     counted_impls = a.impls
     if not (on_gpu and torch.cuda.get_device_capability() == (9, 0)):     # the Gluon kernel is sm_90 only
         counted_impls = tuple(n for n in counted_impls if n not in GLUON and n != CLUSTER)
-    if dispatch.gluon_cluster is None or not dispatch.gluon_cluster.SUPPORTED:      # this Triton cannot build it
+    if dispatch.gluon_cluster is None:      # this Triton cannot build it
         counted_impls = tuple(n for n in counted_impls if n != CLUSTER)
     if not on_gpu:                      # another architecture's code, and Gluon, run on a GPU only
         counted_impls = tuple(n for n in counted_impls if n not in OTHER_ISAS and n not in GLUON_PORTABLE)
